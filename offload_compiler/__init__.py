@@ -1,0 +1,41 @@
+"""trinity: a ``torch.compile`` backend that trains models bigger than the GPU.
+
+Use it through ``torch.compile(model, backend="trinity", options={...})``; the backend name is
+registered by the ``torch_dynamo_backends`` entry point, so nothing needs importing. Importing
+this package gives the reports and the tools::
+
+    import offload_compiler
+    offload_compiler.last_report()          # what the planner did to the last compiled graph pair
+    offload_compiler.reports()              # all of them
+    offload_compiler.measure_peak_device_bytes(step)   # peak device bytes, with or without a GPU
+"""
+
+from .options import MemoryBudget, TrinityOptions, format_bytes, parse_size
+from .report import TrinityReport, last_report, reports
+from .runtime.accounting import MemoryMeasurement, measure_peak_device_bytes
+from .runtime import ops as _ops  # noqa: F401  (registers the trinity::* custom ops)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MemoryBudget",
+    "MemoryMeasurement",
+    "TrinityOptions",
+    "TrinityReport",
+    "format_bytes",
+    "last_report",
+    "measure_peak_device_bytes",
+    "parse_size",
+    "reports",
+    "__version__",
+]
+
+
+def __getattr__(name: str):
+    # The backend function is importable as offload_compiler.trinity without importing Inductor
+    # at package import time.
+    if name == "trinity":
+        from .backend import trinity
+
+        return trinity
+    raise AttributeError(name)

@@ -1,0 +1,129 @@
+"""The ``torch.compile`` backend: ``torch.compile(model, backend="trinity", options={...})``.
+
+The backend is found through the ``torch_dynamo_backends`` entry point (pyproject.toml), so a user
+imports nothing; this module does not call ``register_backend`` itself (Dynamo's entry-point
+loader registers it, and registering twice raises ``duplicate name``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .options import TrinityOptions
+from .pipeline import CompileSession, TrinityPartitioner
+from .runtime import ops as _ops  # noqa: F401  (registers the trinity::* ops)
+from .runtime.transfer import TransferRuntime
+
+__all__ = ["trinity", "default_host_pool_limit"]
+
+
+def default_host_pool_limit() -> int:
+    """Half of the machine's physical memory, in bytes (the host pool's default limit)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2**30
+
+
+def _device_of(example_inputs: Sequence[Any]) -> torch.device:
+    counts: dict[torch.device, int] = {}
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            counts[x.device] = counts.get(x.device, 0) + 1
+    accel = [d for d in counts if d.type != "cpu"]
+    if accel:
+        return max(accel, key=lambda d: counts[d])
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _no_caches():
+    """The plan depends on options and on a live runtime; a warm AOTAutograd cache would skip the
+    partitioner (and trinity's report). Turn the caches off while trinity compiles."""
+    import torch._functorch.config as functorch_config
+
+    patches = {"enable_autograd_cache": False}
+    for name in ("bundled_autograd_cache", "force_autograd_cache"):
+        if hasattr(functorch_config, name):
+            patches[name] = False
+    with functorch_config.patch(**patches):
+        yield
+
+
+def trinity(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: dict[str, Any] | TrinityOptions | None = None,
+    mode: str | None = None,
+    **unexpected: Any,
+) -> Callable[..., Any]:
+    """Compile ``gm`` (a Dynamo graph) for training with compiler-planned offloading.
+
+    Args:
+        gm: the FX graph Dynamo captured.
+        example_inputs: its example (fake) inputs.
+        options: trinity's options (see :class:`~offload_compiler.options.TrinityOptions`).
+        mode: an Inductor mode (``"max-autotune"``, ...), only with ``inner="inductor"``.
+
+    Returns:
+        The compiled callable; it keeps the graph pair's transfer runtime alive.
+
+    Raises:
+        ValueError: for invalid options, an unexpected keyword, or ``mode`` with ``inner="eager"``.
+        offload_compiler.pipeline.InfeasibleBudgetError: when no plan reaches the budget and
+            ``on_infeasible="error"``.
+    """
+    if unexpected:
+        raise ValueError(
+            f"trinity backend: unexpected arguments {sorted(unexpected)}; pass trinity's settings as "
+            "torch.compile(..., options={...})"
+        )
+    opts = TrinityOptions.from_user(options)
+    device = _device_of(example_inputs)
+    runtime = TransferRuntime(device, opts.host_pool_limit_bytes or default_host_pool_limit())
+    session = CompileSession(opts, device, runtime)
+    partitioner = TrinityPartitioner(session)
+
+    if opts.inner == "inductor":
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        patches: dict[str, Any] = {}
+        if mode is not None:
+            patches.update(list_mode_options(mode))
+        patches.update(dict(opts.inductor_config))
+        patches["custom_partitioner_fn"] = partitioner
+        with _no_caches():
+            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    else:
+        if mode not in (None, "default"):
+            raise ValueError(
+                f"trinity backend: mode={mode!r} applies to Inductor only; with options inner='eager' "
+                "leave mode unset"
+            )
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
+
+        backend = aot_autograd(
+            fw_compiler=boxed_nop,
+            bw_compiler=boxed_nop,
+            partition_fn=partitioner,
+            keep_inference_input_mutations=True,
+        )
+        with _no_caches():
+            compiled = backend(gm, example_inputs)
+    # Dynamo unwraps ``disable`` wrappers down to the innermost callable and keeps that one, so
+    # the runtime is attached there: it lives exactly as long as the compiled code.
+    from torch._dynamo.eval_frame import innermost_fn
+
+    holder = innermost_fn(compiled)
+    holder._trinity_runtime = runtime
+    holder._trinity_session = session
+    return compiled

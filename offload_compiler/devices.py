@@ -1,0 +1,233 @@
+"""Device figures for the cost model: peak FLOP/s, memory bandwidth, memory size, host link.
+
+Where a GPU is present its figures come from ``pynvml`` (name, memory size, PCIe generation and
+width) matched against :data:`KNOWN_DEVICES`; without a GPU, from this table by name, or from
+explicit options. Every figure is a vendor datasheet number (dense, no sparsity) unless the
+comment says it is a measured or practical value.
+
+Practical host-link bandwidth: a pinned ``cudaMemcpyAsync`` over PCIe reaches about 80% of the
+link's raw rate (Gen3 x16 ~12 GB/s, Gen4 x16 ~25 GB/s, Gen5 x16 ~50 GB/s; NVIDIA's
+``bandwidthTest`` sample, widely reproduced). Pageable copies go through a staging buffer and
+reach roughly half of that; trinity's pool is pinned on CUDA, so plans use the pinned figure.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+__all__ = ["DeviceSpec", "KNOWN_DEVICES", "PCIE_PRACTICAL_BYTES_PER_S", "lookup_device", "detect_device_spec"]
+
+log = logging.getLogger(__name__)
+
+GB = 10**9
+TFLOPS = 10**12
+GiB = 2**30
+
+# Practical pinned bytes/s per direction for an x16 link, by PCIe generation (see module doc).
+# Raw rates: Gen3 15.75 GB/s, Gen4 31.5 GB/s, Gen5 63 GB/s per direction (PCI-SIG).
+PCIE_PRACTICAL_BYTES_PER_S = {3: 12 * GB, 4: 25 * GB, 5: 50 * GB}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Figures of one device, in SI units.
+
+    Attributes:
+        name: marketing name, e.g. ``"NVIDIA H100 SXM"``.
+        flops_fp32: peak dense FP32 (non-tensor-core) FLOP/s.
+        flops_tf32: peak dense TF32 tensor-core FLOP/s (FP32 matmuls with TF32 allowed).
+        flops_bf16: peak dense BF16/FP16 tensor-core FLOP/s.
+        hbm_bytes_per_s: device-memory bandwidth, bytes/s.
+        memory_bytes: device memory, bytes.
+        h2d_bytes_per_s: pinned host-to-device copy bandwidth, bytes/s.
+        d2h_bytes_per_s: pinned device-to-host copy bandwidth, bytes/s.
+        pcie_gen, pcie_width: host link (0 when not PCIe, e.g. the CPU host entry).
+        launch_overhead_s: fixed cost per kernel, seconds.
+        source: where the figures come from.
+    """
+
+    name: str
+    flops_fp32: float
+    flops_tf32: float
+    flops_bf16: float
+    hbm_bytes_per_s: float
+    memory_bytes: int
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    pcie_gen: int = 0
+    pcie_width: int = 0
+    launch_overhead_s: float = 5e-6
+    source: str = ""
+
+    def peak_flops(self, dtype: torch.dtype, allow_tf32: bool = False) -> float:
+        """Peak FLOP/s for a matmul-like op in ``dtype``."""
+        if dtype in (torch.bfloat16, torch.float16):
+            return self.flops_bf16
+        if dtype == torch.float32 and allow_tf32:
+            return self.flops_tf32
+        return self.flops_fp32
+
+
+def _pcie(gen: int) -> dict:
+    bw = PCIE_PRACTICAL_BYTES_PER_S[gen]
+    return {"h2d_bytes_per_s": bw, "d2h_bytes_per_s": bw, "pcie_gen": gen, "pcie_width": 16}
+
+
+KNOWN_DEVICES: dict[str, DeviceSpec] = {
+    # NVIDIA Tesla V100 datasheet (SXM2): FP32 15.7 TFLOPS, tensor (FP16) 125 TFLOPS, HBM2 900 GB/s,
+    # 32 GB. No TF32/BF16 support: FP32 matmuls run at the FP32 rate.
+    "v100-32gb": DeviceSpec(
+        "NVIDIA V100 32GB", 15.7 * TFLOPS, 15.7 * TFLOPS, 125 * TFLOPS, 900 * GB, 32 * GiB,
+        **_pcie(3), source="NVIDIA V100 datasheet (SXM2)",
+    ),
+    # NVIDIA A100 datasheet: FP32 19.5, TF32 156, BF16 312 TFLOPS (dense); 40GB HBM2 1,555 GB/s.
+    "a100-40gb": DeviceSpec(
+        "NVIDIA A100 40GB", 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 1555 * GB, 40 * GiB,
+        **_pcie(4), source="NVIDIA A100 datasheet (SXM4 40GB)",
+    ),
+    # Same datasheet: 80GB HBM2e 2,039 GB/s (SXM).
+    "a100-80gb": DeviceSpec(
+        "NVIDIA A100 80GB", 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 2039 * GB, 80 * GiB,
+        **_pcie(4), source="NVIDIA A100 datasheet (SXM4 80GB)",
+    ),
+    # NVIDIA H100 datasheet (SXM5): FP32 67, TF32 494.5, BF16 989.5 TFLOPS dense; HBM3 3.35 TB/s; 80GB.
+    "h100-sxm": DeviceSpec(
+        "NVIDIA H100 SXM", 67 * TFLOPS, 494.5 * TFLOPS, 989.5 * TFLOPS, 3350 * GB, 80 * GiB,
+        **_pcie(5), source="NVIDIA H100 datasheet (SXM5)",
+    ),
+    # Same datasheet (PCIe): FP32 51, TF32 378, BF16 756 TFLOPS dense; HBM2e 2.0 TB/s; 80GB.
+    "h100-pcie": DeviceSpec(
+        "NVIDIA H100 PCIe", 51 * TFLOPS, 378 * TFLOPS, 756 * TFLOPS, 2000 * GB, 80 * GiB,
+        **_pcie(5), source="NVIDIA H100 datasheet (PCIe)",
+    ),
+    # NVIDIA H200 datasheet (SXM): compute as H100 SXM; HBM3e 4.8 TB/s; 141 GB.
+    "h200": DeviceSpec(
+        "NVIDIA H200", 67 * TFLOPS, 494.5 * TFLOPS, 989.5 * TFLOPS, 4800 * GB, 141 * GB,
+        **_pcie(5), source="NVIDIA H200 datasheet (SXM)",
+    ),
+    # NVIDIA L4 datasheet: FP32 30.3, TF32 60, BF16 121 TFLOPS dense; GDDR6 300 GB/s; 24GB.
+    "l4": DeviceSpec(
+        "NVIDIA L4", 30.3 * TFLOPS, 60 * TFLOPS, 121 * TFLOPS, 300 * GB, 24 * GiB,
+        **_pcie(4), source="NVIDIA L4 datasheet",
+    ),
+    # NVIDIA A10 datasheet (A10G is AWS's variant with the same memory system): FP32 31.2,
+    # TF32 62.5, BF16 125 TFLOPS dense; GDDR6 600 GB/s; 24GB.
+    "a10g": DeviceSpec(
+        "NVIDIA A10G", 31.2 * TFLOPS, 62.5 * TFLOPS, 125 * TFLOPS, 600 * GB, 24 * GiB,
+        **_pcie(4), source="NVIDIA A10 datasheet",
+    ),
+    # NVIDIA Ada (AD102) whitepaper, GeForce RTX 4090: FP32 82.6 TFLOPS; TF32 82.6 and
+    # BF16 165.2 TFLOPS dense with FP32 accumulate; GDDR6X 1,008 GB/s; 24GB.
+    "rtx4090": DeviceSpec(
+        "NVIDIA GeForce RTX 4090", 82.6 * TFLOPS, 82.6 * TFLOPS, 165.2 * TFLOPS, 1008 * GB, 24 * GiB,
+        **_pcie(4), source="NVIDIA Ada Lovelace architecture whitepaper",
+    ),
+    # The CPU itself as the "device" (runs without a GPU). Nominal figures for a small x86 server
+    # core pair: order-of-magnitude values, not a datasheet; copies are memcpy within host memory.
+    # Override with the device options, or measure them (issue: calibrate).
+    "cpu": DeviceSpec(
+        "CPU (host as device)", 50e9, 50e9, 50e9, 10 * GB, 16 * GiB, 5 * GB, 5 * GB,
+        launch_overhead_s=2e-6, source="nominal figures for a small CPU; not measured",
+    ),
+}
+
+# Substrings of names as pynvml / torch report them, mapped to table keys (first match wins).
+_NAME_PATTERNS = [
+    ("h200", "h200"),
+    ("h100 pcie", "h100-pcie"),
+    ("h100", "h100-sxm"),
+    ("a100-sxm4-40gb", "a100-40gb"),
+    ("a100-pcie-40gb", "a100-40gb"),
+    ("a100 40gb", "a100-40gb"),
+    ("a100", "a100-80gb"),
+    ("v100", "v100-32gb"),
+    ("a10g", "a10g"),
+    ("a10", "a10g"),
+    ("l4", "l4"),
+    ("4090", "rtx4090"),
+]
+
+
+def lookup_device(name: str) -> DeviceSpec:
+    """The table entry for ``name`` (a key of :data:`KNOWN_DEVICES` or a device name as reported
+    by pynvml/torch, matched by substring).
+
+    Raises:
+        ValueError: naming ``name`` and listing the known keys when nothing matches.
+    """
+    key = name.strip().lower()
+    if key in KNOWN_DEVICES:
+        return KNOWN_DEVICES[key]
+    for pattern, table_key in _NAME_PATTERNS:
+        if pattern in key:
+            return KNOWN_DEVICES[table_key]
+    raise ValueError(f"unknown device {name!r}; known: {', '.join(sorted(KNOWN_DEVICES))}")
+
+
+def _nvml_spec(index: int) -> DeviceSpec | None:
+    """Build a spec from pynvml for CUDA device ``index``; ``None`` if pynvml is unusable."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            if isinstance(name, bytes):
+                name = name.decode()
+            memory = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+            try:
+                gen = int(pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle))
+                width = int(pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle))
+            except pynvml.NVMLError:
+                gen, width = 0, 0
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # pynvml raises its own NVMLError subclasses
+        log.info("pynvml unavailable (%s); using the device table", exc)
+        return None
+    try:
+        base = lookup_device(name)
+    except ValueError:
+        log.warning(
+            "trinity: GPU %r is not in the device table; using A100 80GB compute figures with its "
+            "real memory size and link. Pass the device options (peak_flops, hbm_bytes_per_s) for "
+            "a better plan.",
+            name,
+        )
+        base = KNOWN_DEVICES["a100-80gb"]
+    fields: dict = {"name": name, "memory_bytes": memory, "source": base.source + "; pynvml"}
+    # The idle link may report a lower generation (power saving); only trust widths/gens that do
+    # not exceed the table's maximum for the device.
+    if gen in PCIE_PRACTICAL_BYTES_PER_S and width > 0 and gen >= base.pcie_gen:
+        bw = PCIE_PRACTICAL_BYTES_PER_S[gen] * width / 16
+        fields.update(h2d_bytes_per_s=bw, d2h_bytes_per_s=bw, pcie_gen=gen, pcie_width=width)
+    return replace(base, **fields)
+
+
+def detect_device_spec(device: torch.device, name: str | None = None) -> DeviceSpec:
+    """Figures for ``device``: the table entry ``name`` when given (option ``device``), else
+    pynvml (CUDA), else the table by torch's device name, else the ``cpu`` entry.
+
+    Raises:
+        ValueError: when ``name`` is given and is not in the table.
+    """
+    if name:
+        return lookup_device(name)
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        spec = _nvml_spec(index)
+        if spec is not None:
+            return spec
+        name = torch.cuda.get_device_name(index)
+        try:
+            spec = lookup_device(name)
+        except ValueError:
+            spec = KNOWN_DEVICES["a100-80gb"]
+        return replace(spec, name=name, memory_bytes=torch.cuda.get_device_properties(index).total_memory)
+    return KNOWN_DEVICES["cpu"]

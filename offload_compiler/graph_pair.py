@@ -1,0 +1,100 @@
+"""The (forward, backward) graph pair that AOTAutograd's partitioner produced, and how they bind.
+
+The forward graph returns ``[num_fwd_outputs user outputs] + [saved values]``; each saved tensor
+arrives in the backward graph as a placeholder with the name of the forward node it comes from.
+Parameters and buffers are the forward placeholders listed in ``static_input_indices``
+(AOTAutograd's own metadata; never guessed from names).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+__all__ = ["GraphPair", "SavedLink", "tensor_vals", "fake_mode_of", "hint_int"]
+
+
+@dataclass(frozen=True)
+class SavedLink:
+    """One saved value: forward output position, forward node, backward placeholder."""
+
+    fw_output_index: int
+    fw_node: fx.Node
+    bw_placeholder: fx.Node | None
+
+
+@dataclass(frozen=True)
+class GraphPair:
+    """A forward/backward graph pair (the graphs themselves are mutable FX graph modules).
+
+    Attributes:
+        forward, backward: the partitioned graph modules.
+        num_fwd_outputs: how many leading forward outputs go to the user (including mutated inputs
+            and other AOTAutograd runtime outputs); the rest are saved for the backward.
+        static_input_indices: positions of forward placeholders with static lifetime (parameters
+            and buffers).
+    """
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    num_fwd_outputs: int
+    static_input_indices: tuple[int, ...] = ()
+
+    def fw_output_node(self) -> fx.Node:
+        return next(iter(self.forward.graph.find_nodes(op="output")))
+
+    def bw_output_node(self) -> fx.Node:
+        return next(iter(self.backward.graph.find_nodes(op="output")))
+
+    def fw_outputs(self) -> list:
+        out = self.fw_output_node().args[0]
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def saved_links(self) -> list[SavedLink]:
+        """Saved tensor outputs of the forward with their backward placeholders (by name, which
+        the partitioner keeps equal); a saved tensor with no placeholder has ``None``."""
+        bw_by_name = {n.name: n for n in self.backward.graph.find_nodes(op="placeholder")}
+        links = []
+        for i, node in enumerate(self.fw_outputs()):
+            if i < self.num_fwd_outputs or not isinstance(node, fx.Node):
+                continue
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                continue
+            links.append(SavedLink(i, node, bw_by_name.get(node.name)))
+        return links
+
+
+def tensor_vals(node: fx.Node) -> list[torch.Tensor]:
+    """The tensors in ``node.meta["val"]`` (one for most ops, several for tuple outputs)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def fake_mode_of(*graphs: fx.GraphModule):
+    """The FakeTensorMode the graphs' ``meta["val"]`` tensors belong to (or ``None``)."""
+    from torch._guards import detect_fake_mode
+
+    vals = []
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            vals.extend(tensor_vals(node))
+            if len(vals) > 8:
+                break
+    return detect_fake_mode(vals) if vals else None
+
+
+def hint_int(value) -> int:
+    """An int for a possibly symbolic value, from the shape environment's hint (adds no guard)."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import hint_int as _hint
+
+        return int(_hint(value))
+    return int(value)

@@ -1,0 +1,360 @@
+"""Trinity's options: one frozen, validated object.
+
+Built from ``torch.compile(model, backend="trinity", options={...})`` and from ``TRINITY_*``
+environment variables (an explicit option wins over the environment, the environment over the
+default). Every value is validated eagerly: an unknown key, a wrong type or a malformed size raises
+:class:`ValueError` that names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "MemoryBudget",
+    "TrinityOptions",
+    "parse_size",
+    "format_bytes",
+    "ENV_PREFIX",
+]
+
+ENV_PREFIX = "TRINITY_"
+
+# Binary and decimal units accepted by sizes ("12GiB", "800MB", "1.5 gb", "4096").
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+_SIZE_HELP = (
+    "an int number of bytes, or a string with a unit such as '800MB', '12GiB', '1.5GB' "
+    "(units: B, KB, MB, GB, TB powers of 1000; KiB, MiB, GiB, TiB powers of 1024)"
+)
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Parse a byte count.
+
+    Args:
+        key: the option name, used in the error message.
+        value: an ``int`` (bytes, >= 0) or a string such as ``"800MB"`` or ``"12GiB"``.
+
+    Returns:
+        The size in bytes (int, >= 0).
+
+    Raises:
+        ValueError: naming ``key`` and ``value`` if the value is not a valid size.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"trinity option {key!r}: got {value!r}; expected {_SIZE_HELP}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"trinity option {key!r}: got {value!r}; a size must be >= 0 bytes")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0 or value != int(value):
+            raise ValueError(
+                f"trinity option {key!r}: got {value!r}; expected a whole, non-negative number "
+                f"of bytes or {_SIZE_HELP}"
+            )
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            number = float(m.group(1))
+            result = number * _UNITS[m.group(2).lower()]
+            if math.isfinite(result):
+                return int(round(result))
+    raise ValueError(f"trinity option {key!r}: got {value!r}; expected {_SIZE_HELP}")
+
+
+def format_bytes(n: float | int | None) -> str:
+    """Human-readable bytes with binary units, e.g. ``1.50 MiB``; ``None`` gives ``'no limit'``."""
+    if n is None:
+        return "no limit"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The requested device-memory budget, before it is resolved against a graph.
+
+    Exactly one form:
+      * ``kind="bytes"``: ``value`` is an absolute number of bytes;
+      * ``kind="fraction"``: ``value`` in (0, 1] is a fraction of the graph's own peak without
+        offloading (given as ``"50%"``);
+      * ``kind="auto"``: on CUDA, the device's free memory at compile time less
+        ``TrinityOptions.budget_reserve_bytes``; without CUDA, no limit.
+      * ``kind="none"``: no limit (never offload).
+    """
+
+    kind: Literal["bytes", "fraction", "auto", "none"]
+    value: float = 0.0
+
+    @staticmethod
+    def parse(value: Any, key: str = "memory_budget") -> MemoryBudget:
+        """Parse ``int`` bytes, ``"12GiB"``, ``"50%"``, ``"auto"`` or ``None``/``"none"``.
+
+        Raises:
+            ValueError: naming the key and the value when it is none of the above, or when a
+                percentage is not in (0, 100].
+        """
+        if isinstance(value, MemoryBudget):
+            return value
+        if value is None:
+            return MemoryBudget("none")
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text == "auto":
+                return MemoryBudget("auto")
+            if text in ("none", "unlimited", "inf"):
+                return MemoryBudget("none")
+            if text.endswith("%"):
+                try:
+                    pct = float(text[:-1])
+                except ValueError:
+                    pct = float("nan")
+                if not (math.isfinite(pct) and 0 < pct <= 100):
+                    raise ValueError(
+                        f"trinity option {key!r}: got {value!r}; a percentage must be in (0%, 100%] "
+                        "(a fraction of the graph's own peak without offloading)"
+                    )
+                return MemoryBudget("fraction", pct / 100.0)
+        try:
+            return MemoryBudget("bytes", float(parse_size(key, value)))
+        except ValueError:
+            raise ValueError(
+                f"trinity option {key!r}: got {value!r}; expected {_SIZE_HELP}, a percentage "
+                "such as '50%' of the graph's own peak, 'auto' (free device memory less a reserve) "
+                "or None (no limit)"
+            ) from None
+
+    def describe(self) -> str:
+        if self.kind == "bytes":
+            return f"{format_bytes(self.value)} ({int(self.value)} bytes)"
+        if self.kind == "fraction":
+            return f"{self.value * 100:g}% of the unplanned peak"
+        return self.kind
+
+
+_INNER = ("inductor", "eager")
+_ON_INFEASIBLE = ("error", "warn")
+
+
+@dataclass(frozen=True)
+class TrinityOptions:
+    """All of trinity's options, validated. Build it with :meth:`from_user`.
+
+    Attributes:
+        memory_budget: peak device bytes the plan must not exceed (see :class:`MemoryBudget`).
+        inner: the compiler the rewritten graphs go to: ``"inductor"`` or ``"eager"`` (plain FX
+            Python code, AOTAutograd's ``boxed_nop``).
+        dump_dir: directory for readable graphs, plans and plots; ``None`` writes nothing.
+        verify: run the verifier on every rewritten graph pair (default on).
+        on_infeasible: ``"error"`` raises when no plan reaches the budget; ``"warn"`` warns and
+            uses the plan with the lowest reachable peak.
+        min_offload_bytes: saved activations smaller than this (bytes) are never evicted.
+        budget_reserve_bytes: with ``memory_budget="auto"`` on CUDA, bytes left free.
+        host_pool_limit_bytes: the most host memory (bytes) the host pool may hold; ``None`` means
+            half of the machine's physical memory.
+        device: a key of ``offload_compiler.devices.KNOWN_DEVICES`` (e.g. ``"h100-sxm"``) whose
+            figures the cost model uses instead of detecting the device.
+        peak_flops: override of the device's peak FLOP/s (all dtypes).
+        hbm_bytes_per_s: override of the device's memory bandwidth (bytes/s).
+        h2d_bytes_per_s: override of host-to-device copy bandwidth (bytes/s).
+        d2h_bytes_per_s: override of device-to-host copy bandwidth (bytes/s).
+        device_memory_bytes: override of the device's memory size (bytes).
+        inductor_config: extra ``torch._inductor.config`` patches for ``inner="inductor"``.
+    """
+
+    memory_budget: MemoryBudget = field(default_factory=lambda: MemoryBudget("auto"))
+    inner: Literal["inductor", "eager"] = "inductor"
+    dump_dir: Path | None = None
+    verify: bool = True
+    on_infeasible: Literal["error", "warn"] = "error"
+    min_offload_bytes: int = 1 << 20
+    budget_reserve_bytes: int = 1 << 30
+    host_pool_limit_bytes: int | None = None
+    device: str | None = None
+    peak_flops: float | None = None
+    hbm_bytes_per_s: float | None = None
+    h2d_bytes_per_s: float | None = None
+    d2h_bytes_per_s: float | None = None
+    device_memory_bytes: int | None = None
+    inductor_config: tuple[tuple[str, Any], ...] = ()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_user(
+        cls,
+        options: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> TrinityOptions:
+        """Validate ``options`` (from ``torch.compile(..., options=...)``) over ``TRINITY_*``
+        environment variables (``env`` defaults to ``os.environ``) over the defaults.
+
+        Raises:
+            ValueError: for an unknown key (listing the allowed keys), a wrong type, or a
+                malformed size; the message names the key and the value.
+        """
+        if options is None:
+            options = {}
+        if isinstance(options, TrinityOptions):
+            return options
+        if not isinstance(options, Mapping):
+            raise ValueError(
+                f"trinity options must be a dict of option name to value; got {type(options).__name__} "
+                f"{options!r}"
+            )
+        env = os.environ if env is None else env
+        allowed = sorted(f.name for f in dataclasses.fields(cls))
+        values: dict[str, Any] = {}
+        for name in allowed:
+            env_key = ENV_PREFIX + name.upper()
+            if env_key in env and env[env_key] != "":
+                values[name] = (_from_env(name, env[env_key]), env_key)
+        for key, value in options.items():
+            if not isinstance(key, str) or key not in allowed:
+                raise ValueError(
+                    f"trinity option {key!r} is unknown (value {value!r}); allowed options: "
+                    + ", ".join(allowed)
+                )
+            values[key] = (value, key)
+        kwargs = {name: _validate(name, value, where) for name, (value, where) in values.items()}
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly view (used in dumps and reports); :meth:`from_user` accepts it back."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, MemoryBudget):
+                v = {"bytes": int(v.value), "fraction": f"{v.value * 100:g}%", "auto": "auto", "none": None}[
+                    v.kind
+                ]
+            elif isinstance(v, Path):
+                v = str(v)
+            elif f.name == "inductor_config":
+                v = dict(v)
+            out[f.name] = v
+        return out
+
+
+def _from_env(name: str, text: str) -> Any:
+    """Environment values are strings; turn them into what :func:`_validate` expects."""
+    if name in ("verify",):
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        return text  # rejected by _validate with the env key in the message
+    if name == "inductor_config":
+        import json
+
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+    return text
+
+
+def _validate(name: str, value: Any, where: str) -> Any:
+    def bad(expected: str) -> ValueError:
+        return ValueError(f"trinity option {where!r}: got {value!r}; expected {expected}")
+
+    if name == "memory_budget":
+        return MemoryBudget.parse(value, where)
+    if name == "inner":
+        if value not in _INNER:
+            raise bad("one of " + ", ".join(repr(v) for v in _INNER))
+        return value
+    if name == "on_infeasible":
+        if value not in _ON_INFEASIBLE:
+            raise bad("one of " + ", ".join(repr(v) for v in _ON_INFEASIBLE))
+        return value
+    if name == "dump_dir":
+        if value is None:
+            return None
+        if isinstance(value, (str, os.PathLike)) and str(value) != "":
+            return Path(value)
+        raise bad("a directory path (str or os.PathLike) or None")
+    if name == "verify":
+        if not isinstance(value, bool):
+            raise bad("True or False")
+        return value
+    if name in ("min_offload_bytes", "budget_reserve_bytes"):
+        return parse_size(where, value)
+    if name in ("host_pool_limit_bytes", "device_memory_bytes"):
+        if value is None:
+            return None
+        size = parse_size(where, value)
+        if size == 0:
+            raise bad("a positive size")
+        return size
+    if name in ("peak_flops", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s"):
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value_f = float(value)
+            except ValueError:
+                raise bad("a positive number (FLOP/s or bytes/s), e.g. 1e12") from None
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            value_f = float(value)
+        else:
+            raise bad("a positive number (FLOP/s or bytes/s), e.g. 1e12")
+        if not (math.isfinite(value_f) and value_f > 0):
+            raise bad("a positive, finite number (FLOP/s or bytes/s)")
+        return value_f
+    if name == "device":
+        if value is None:
+            return None
+        from .devices import KNOWN_DEVICES, lookup_device
+
+        if not isinstance(value, str):
+            raise bad("a device name, one of " + ", ".join(sorted(KNOWN_DEVICES)))
+        try:
+            lookup_device(value)
+        except ValueError:
+            raise bad("a device name, one of " + ", ".join(sorted(KNOWN_DEVICES))) from None
+        return value
+    if name == "inductor_config":
+        if isinstance(value, tuple) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):
+            value = dict(value)
+        if not isinstance(value, Mapping):
+            raise bad("a dict of torch._inductor.config names to values")
+        import torch._inductor.config as inductor_config
+
+        known = set(inductor_config._config.keys()) if hasattr(inductor_config, "_config") else None
+        for k in value:
+            if not isinstance(k, str) or (known is not None and k not in known):
+                raise ValueError(
+                    f"trinity option {where!r}: {k!r} is not a torch._inductor.config setting"
+                )
+        return tuple(sorted(value.items()))
+    raise AssertionError(f"no validator for option {name}")

@@ -1,0 +1,138 @@
+"""Cost model: a time for every node of the joint schedule and for every transfer.
+
+Per node (roofline, Williams et al., "Roofline", CACM 2009):
+``seconds = max(FLOPs / peak FLOP/s, bytes / HBM bytes/s) + launch overhead``, where FLOPs come
+from PyTorch's flop-counter registry (``torch.utils.flop_counter``) applied to ``meta["val"]``,
+and bytes are the bytes of every tensor the node reads plus every tensor it writes. A node whose
+outputs all alias its inputs (views, reshapes, ``detach``, ``getitem``) costs nothing, as do
+placeholders and outputs.
+
+Per transfer: ``seconds = bytes / link bytes/s`` in the copy's direction (pinned host memory).
+
+Device figures from :mod:`offload_compiler.devices`, overridden by the options. Reads
+``node.meta["val"]``; writes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry
+
+from ..devices import DeviceSpec
+from ..graph_pair import GraphPair, hint_int, tensor_vals
+from ..options import TrinityOptions
+from ..runtime.ops import TRANSFER_OPS
+from ..runtime.transfer import span_bytes
+from .liveness import Liveness
+
+__all__ = ["Costs", "estimate", "apply_overrides", "node_cost"]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Times of the joint schedule's steps (seconds) and the figures behind them.
+
+    Attributes:
+        device: the figures used (after option overrides).
+        step_seconds: seconds per step, aligned with :attr:`Liveness.steps`.
+        step_flops: FLOPs per step.
+        step_bytes: bytes read plus written per step.
+    """
+
+    device: DeviceSpec
+    step_seconds: tuple[float, ...]
+    step_flops: tuple[int, ...]
+    step_bytes: tuple[int, ...]
+
+    def transfer_seconds(self, nbytes: int, direction: Literal["d2h", "h2d"]) -> float:
+        """Seconds to copy ``nbytes`` over the host link in ``direction`` (pinned memory)."""
+        bw = self.device.d2h_bytes_per_s if direction == "d2h" else self.device.h2d_bytes_per_s
+        return nbytes / bw
+
+    @property
+    def compute_seconds(self) -> float:
+        return float(sum(self.step_seconds))
+
+
+def apply_overrides(spec: DeviceSpec, options: TrinityOptions) -> DeviceSpec:
+    """``spec`` with the options' device overrides applied (``peak_flops`` sets every dtype)."""
+    fields: dict = {}
+    if options.peak_flops is not None:
+        fields.update(flops_fp32=options.peak_flops, flops_tf32=options.peak_flops, flops_bf16=options.peak_flops)
+    if options.hbm_bytes_per_s is not None:
+        fields["hbm_bytes_per_s"] = options.hbm_bytes_per_s
+    if options.h2d_bytes_per_s is not None:
+        fields["h2d_bytes_per_s"] = options.h2d_bytes_per_s
+    if options.d2h_bytes_per_s is not None:
+        fields["d2h_bytes_per_s"] = options.d2h_bytes_per_s
+    if options.device_memory_bytes is not None:
+        fields["memory_bytes"] = options.device_memory_bytes
+    if fields:
+        fields["source"] = spec.source + "; overridden by options"
+    return replace(spec, **fields) if fields else spec
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return span_bytes(
+        tuple(hint_int(s) for s in t.shape), tuple(hint_int(s) for s in t.stride()), t.element_size()
+    )
+
+
+def _arg_val(a):
+    if isinstance(a, fx.Node):
+        return a.meta.get("val")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_arg_val(x) for x in a)
+    return a
+
+
+def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, int, float]:
+    """``(flops, bytes, seconds)`` of one node (see the module docstring)."""
+    if node.op != "call_function" or node.target in TRANSFER_OPS:
+        return 0, 0, 0.0
+    outs = tensor_vals(node)
+    ins = [t for m in node.all_input_nodes for t in tensor_vals(m)]
+    if not outs:
+        return 0, 0, 0.0
+    in_storages = {StorageWeakRef(t.untyped_storage()) for t in ins if t.layout == torch.strided}
+    try:
+        if all(t.layout == torch.strided and StorageWeakRef(t.untyped_storage()) in in_storages for t in outs):
+            return 0, 0, 0.0  # a view: no kernel
+    except (RuntimeError, NotImplementedError):
+        pass
+    flops = 0
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is not None and packet in flop_registry:
+        try:
+            args = _arg_val(node.args)
+            kwargs = {k: _arg_val(v) for k, v in node.kwargs.items()}
+            flops = hint_int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
+        except Exception:  # a formula that cannot take these arguments: count bytes only
+            flops = 0
+    nbytes = sum(_tensor_bytes(t) for t in ins) + sum(_tensor_bytes(t) for t in outs)
+    dtype = outs[0].dtype
+    seconds = max(flops / spec.peak_flops(dtype, allow_tf32), nbytes / spec.hbm_bytes_per_s) + spec.launch_overhead_s
+    return flops, nbytes, seconds
+
+
+def estimate(pair: GraphPair, liveness: Liveness, spec: DeviceSpec) -> Costs:
+    """Time every step of ``liveness``'s joint schedule on ``spec``."""
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
+    if len(nodes) != liveness.num_steps:
+        raise ValueError(
+            f"cost model: the graphs have {len(nodes)} nodes but the liveness has {liveness.num_steps} "
+            "steps; run liveness on the same graphs"
+        )
+    flops, nbytes, seconds = [], [], []
+    for n in nodes:
+        f, b, s = node_cost(n, spec, allow_tf32)
+        flops.append(f)
+        nbytes.append(b)
+        seconds.append(s)
+    return Costs(device=spec, step_seconds=tuple(seconds), step_flops=tuple(flops), step_bytes=tuple(nbytes))

@@ -1,0 +1,456 @@
+"""Liveness: alias-aware buffers over the joint forward→backward schedule.
+
+The joint schedule is every node of the forward graph in order (steps ``0 .. F-1``), then every
+node of the backward graph (steps ``F .. F+B-1``). A **buffer** is one storage with every tensor
+that aliases it (views, ``detach``, the backward placeholder that receives a saved tensor); its
+live range runs from the first node that holds it to its last reader:
+
+* parameters, buffers and other inputs: the whole schedule (the caller owns them);
+* user outputs of the forward and gradients: from their definition to the end (the caller owns
+  them after the graph returns);
+* saved activations: from their definition in the forward to their last reader in the backward;
+  the span between the last forward reader and the first backward reader is the **idle gap**;
+* tangents and temporaries: definition to last reader.
+
+Memory at step ``s`` is the sum of the buffers live at ``s`` (a node's output is allocated while
+its inputs are still live). Sizes are storage bytes from ``meta["val"]``; symbolic sizes are kept
+as sympy expressions and evaluated with the shape environment's hints.
+
+Reads ``node.meta["val"]``; writes nothing. Host tensors made by ``trinity::evict`` (and backward
+placeholders that only feed ``trinity::prefetch``) are host memory and are not counted.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import sympy
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..graph_pair import GraphPair, hint_int, tensor_vals
+from ..runtime.ops import EVICT, PREFETCH
+from ..runtime.transfer import span_bytes
+
+__all__ = ["BufferKind", "Buffer", "SavedTensor", "Step", "Liveness", "analyze", "graph_device"]
+
+
+class BufferKind(str, enum.Enum):
+    """What a buffer is, by AOTAutograd's own bookkeeping (never by names)."""
+
+    PARAMETER = "parameter"
+    INPUT = "input"
+    HOST = "host"
+    OUTPUT = "output"
+    GRADIENT = "gradient"
+    SAVED = "saved activation"
+    TANGENT = "tangent"
+    TEMPORARY = "temporary"
+
+
+# When aliases disagree, the first kind in this order wins (a saved view of a parameter is a
+# parameter; a saved tensor that is also a user output stays with the user).
+_PRIORITY = list(BufferKind)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node of the joint schedule."""
+
+    index: int
+    graph: str  # "forward" or "backward"
+    node: str
+    op: str
+    is_placeholder: bool
+    is_output: bool
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One storage and its live range (steps are joint-schedule indices, inclusive).
+
+    Attributes:
+        size_bytes: storage bytes, evaluated with shape hints.
+        size_expr: the same as a sympy expression (an Integer for static shapes).
+        on_device: whether the bytes count against the device budget.
+        nodes: ``"forward:name"`` / ``"backward:name"`` of every node holding it.
+        saved: indices into :attr:`Liveness.saved` of the saved tensors that are views of it.
+        last_fw_use / first_bw_use: last forward reader and first backward reader (graph outputs
+            excluded); ``None`` when there is none.
+    """
+
+    id: int
+    kind: BufferKind
+    size_bytes: int
+    size_expr: sympy.Expr
+    device: str
+    on_device: bool
+    def_step: int
+    last_step: int
+    use_steps: tuple[int, ...]
+    nodes: tuple[str, ...]
+    saved: tuple[int, ...]
+    last_fw_use: int | None
+    first_bw_use: int | None
+
+    @property
+    def idle_gap_steps(self) -> int:
+        """Steps between the last forward reader and the first backward reader (0 if none)."""
+        if self.last_fw_use is None or self.first_bw_use is None:
+            return 0
+        return max(0, self.first_bw_use - self.last_fw_use - 1)
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor the forward saves for the backward.
+
+    Attributes:
+        index: position among :attr:`Liveness.saved`.
+        fw_output_index: position in the forward graph's output tuple.
+        fw_node / bw_node: the forward node and the backward placeholder (names).
+        copy_bytes: bytes a copy of this view moves (first to last element), with hints.
+        view_key: (size, stride, storage offset, dtype); equal keys on one buffer are the same
+            view and share one host copy.
+        evictable: whether it may be moved to host memory; ``reason`` says why not.
+    """
+
+    index: int
+    fw_output_index: int
+    fw_node: str
+    bw_node: str | None
+    buffer: int
+    def_step: int
+    first_bw_use: int | None
+    last_bw_use: int | None
+    copy_bytes: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    device: str
+    view_key: tuple
+    evictable: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """Result of :func:`analyze`. ``live_bytes()[s]`` is the device bytes live at step ``s``."""
+
+    steps: tuple[Step, ...]
+    num_fw_steps: int
+    buffers: tuple[Buffer, ...]
+    saved: tuple[SavedTensor, ...]
+    device: str
+    step_of: dict = field(repr=False, compare=False, hash=False, default_factory=dict)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    def live_bytes(self) -> np.ndarray:
+        """Device bytes live at each step (int64 array of length ``num_steps``)."""
+        return self._live_bytes.copy()
+
+    @cached_property
+    def _live_bytes(self) -> np.ndarray:
+        diff = np.zeros(self.num_steps + 1, dtype=np.int64)
+        for b in self.buffers:
+            if b.on_device and b.size_bytes:
+                diff[b.def_step] += b.size_bytes
+                diff[b.last_step + 1] -= b.size_bytes
+        return np.cumsum(diff[:-1])
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self._live_bytes.max()) if self.num_steps else 0
+
+    @property
+    def peak_step(self) -> int:
+        return int(self._live_bytes.argmax()) if self.num_steps else 0
+
+    def bytes_by_kind(self, step: int, removed: frozenset[int] = frozenset()) -> dict[str, int]:
+        """Device bytes live at ``step`` by buffer kind, leaving out buffer ids in ``removed``."""
+        out: dict[str, int] = {}
+        for b in self.buffers:
+            if b.on_device and b.id not in removed and b.def_step <= step <= b.last_step:
+                out[b.kind.value] = out.get(b.kind.value, 0) + b.size_bytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def step_named(self, graph: str, node: str) -> int:
+        return self.step_of[(graph, node)]
+
+    def candidates(self, min_bytes: int = 0) -> list[Buffer]:
+        """Buffers that may be evicted: saved activations on the device, every saved view of
+        which is evictable, of at least ``min_bytes``."""
+        out = []
+        for b in self.buffers:
+            if b.kind is not BufferKind.SAVED or not b.on_device or b.size_bytes < min_bytes:
+                continue
+            if not b.saved or not all(self.saved[i].evictable for i in b.saved):
+                continue
+            if b.last_fw_use is None or b.first_bw_use is None:
+                continue
+            out.append(b)
+        return out
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    return node.op
+
+
+def _size_expr(nbytes) -> sympy.Expr:
+    if isinstance(nbytes, torch.SymInt):
+        return sympy.sympify(nbytes.node.expr)
+    return sympy.Integer(int(nbytes))
+
+
+def graph_device(pair: GraphPair) -> torch.device:
+    """The compute device of a graph pair: the accelerator its forward inputs live on, else CPU."""
+    counts: dict[torch.device, int] = {}
+    for node in pair.forward.graph.find_nodes(op="placeholder"):
+        for t in tensor_vals(node):
+            counts[t.device] = counts.get(t.device, 0) + 1
+    accel = [d for d in counts if d.type != "cpu"]
+    if accel:
+        return max(accel, key=lambda d: counts[d])
+    return torch.device("cpu")
+
+
+class _UnionFind:
+    def __init__(self):
+        self.parent: dict = {}
+
+    def find(self, x):
+        self.parent.setdefault(x, x)
+        root = x
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[x] != root:
+            self.parent[x], x = root, self.parent[x]
+        return root
+
+    def union(self, a, b) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+
+
+def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors liveness can account: plain, strided (not subclasses, not sparse)."""
+    return [t for t in tensors if not is_traceable_wrapper_subclass(t) and t.layout == torch.strided]
+
+
+def _is_host_placeholder(node: fx.Node) -> bool:
+    return node.op == "placeholder" and bool(node.users) and all(
+        u.op == "call_function" and u.target is PREFETCH and u.args[0] is node for u in node.users
+    )
+
+
+def analyze(pair: GraphPair) -> Liveness:
+    """Buffers, live ranges and saved tensors of ``pair`` over the joint schedule.
+
+    Raises:
+        ValueError: if a node's ``meta["val"]`` is missing where a tensor is expected (the graph
+            was not traced with fake tensors).
+    """
+    device = graph_device(pair)
+    fw_nodes = list(pair.forward.graph.nodes)
+    bw_nodes = list(pair.backward.graph.nodes)
+    num_fw = len(fw_nodes)
+    total = num_fw + len(bw_nodes)
+    last = total - 1
+
+    steps: list[Step] = []
+    step_of: dict[tuple[str, str], int] = {}
+    node_step: dict[fx.Node, int] = {}
+    for graph_name, nodes, offset in (("forward", fw_nodes, 0), ("backward", bw_nodes, num_fw)):
+        for i, n in enumerate(nodes):
+            s = offset + i
+            steps.append(Step(s, graph_name, n.name, _op_name(n), n.op == "placeholder", n.op == "output"))
+            step_of[(graph_name, n.name)] = s
+            node_step[n] = s
+
+    # Storage keys per node. Aliasing is derived per graph from the graph's structure: an op's
+    # output is a view of an input when their fake storages are the same, else it is a fresh
+    # allocation of that node. (Fake storages cannot be compared across the two graphs: the
+    # partitioner copies recomputed nodes into the backward with the forward's fake values.)
+    # Placeholders that alias each other share a key. The two graphs are joined only where a
+    # saved tensor crosses: forward output <-> backward placeholder.
+    uf = _UnionFind()
+    node_keys: dict[fx.Node, list] = {}
+    key_tensor: dict = {}
+    for graph_name, nodes in (("forward", fw_nodes), ("backward", bw_nodes)):
+        for n in nodes:
+            keys = []
+            input_keys: dict = {}
+            if n.op != "placeholder":
+                for m in n.all_input_nodes:
+                    for t, k in zip(_plain(tensor_vals(m)), node_keys.get(m, ())):
+                        input_keys.setdefault(StorageWeakRef(t.untyped_storage()), k)
+            for i, t in enumerate(_plain(tensor_vals(n))):
+                st = StorageWeakRef(t.untyped_storage())
+                if n.op == "placeholder":
+                    k = ("placeholder", graph_name, st)
+                elif st in input_keys:
+                    k = input_keys[st]
+                else:
+                    k = ("node", graph_name, n.name, i)
+                uf.find(k)
+                key_tensor.setdefault(k, t)
+                keys.append(k)
+            node_keys[n] = keys
+    links = pair.saved_links()
+    for link in links:
+        ph = link.bw_placeholder
+        if ph is not None and node_keys.get(link.fw_node) and node_keys.get(ph):
+            uf.union(node_keys[link.fw_node][0], node_keys[ph][0])
+
+    # Kinds from AOTAutograd's bookkeeping.
+    kind_of: dict = {}
+
+    def mark(node: fx.Node, kind: BufferKind) -> None:
+        for k in node_keys.get(node, ()):
+            r = uf.find(k)
+            old = kind_of.get(r)
+            if old is None or _PRIORITY.index(kind) < _PRIORITY.index(old):
+                kind_of[r] = kind
+
+    static = set(pair.static_input_indices)
+    for i, n in enumerate(pair.forward.graph.find_nodes(op="placeholder")):
+        mark(n, BufferKind.PARAMETER if i in static else BufferKind.INPUT)
+    for n in fw_nodes:
+        if n.op == "call_function" and n.target is EVICT:
+            mark(n, BufferKind.HOST)
+    for n in pair.backward.graph.find_nodes(op="placeholder"):
+        if _is_host_placeholder(n):
+            mark(n, BufferKind.HOST)
+    for i, out in enumerate(pair.fw_outputs()):
+        if i < pair.num_fwd_outputs and isinstance(out, fx.Node):
+            mark(out, BufferKind.OUTPUT)
+    bw_out = pair.bw_output_node().args[0]
+    for out in bw_out if isinstance(bw_out, (tuple, list)) else [bw_out]:
+        if isinstance(out, fx.Node):
+            mark(out, BufferKind.GRADIENT)
+    saved_placeholders = set()
+    for link in links:
+        mark(link.fw_node, BufferKind.SAVED)
+        if link.bw_placeholder is not None:
+            saved_placeholders.add(link.bw_placeholder)
+    for n in pair.backward.graph.find_nodes(op="placeholder"):
+        if n not in saved_placeholders:
+            mark(n, BufferKind.TANGENT)
+
+    # Definitions and uses.
+    roots: dict = {}
+    for n in fw_nodes + bw_nodes:
+        s = node_step[n]
+        for k in node_keys[n]:
+            r = uf.find(k)
+            info = roots.setdefault(r, {"def": s, "uses": [], "nodes": [], "fw_uses": [], "bw_uses": []})
+            info["def"] = min(info["def"], s)
+            info["nodes"].append(("forward:" if s < num_fw else "backward:") + n.name)
+        if n.op == "placeholder":
+            continue
+        seen_roots = set()
+        for m in n.all_input_nodes:
+            for k in node_keys.get(m, ()):
+                r = uf.find(k)
+                if r in seen_roots or r not in roots:
+                    continue
+                seen_roots.add(r)
+                info = roots[r]
+                info["uses"].append(s)
+                if n.op != "output":
+                    (info["fw_uses"] if s < num_fw else info["bw_uses"]).append(s)
+
+    root_id = {r: i for i, r in enumerate(roots)}
+    saved_of_root: dict = {}
+    saved: list[SavedTensor] = []
+    for j, link in enumerate(links):
+        keys = node_keys.get(link.fw_node) or []
+        val = link.fw_node.meta.get("val")
+        ph = link.bw_placeholder
+        reason = ""
+        if not keys:
+            reason = "not a plain strided tensor (subclass or sparse)"
+        root = uf.find(keys[0]) if keys else None
+        kind = kind_of.get(root, BufferKind.TEMPORARY) if root is not None else None
+        if not reason and kind is not BufferKind.SAVED:
+            reason = f"aliases a {kind.value}" if kind else "no storage"
+        if not reason and (ph is None or not ph.users):
+            reason = "no backward reader"
+        if not reason and val.device != device:
+            reason = f"on {val.device}, not the compute device {device}"
+        bw_use_steps = sorted(node_step[u] for u in ph.users) if ph is not None and ph.users else []
+        shape = tuple(hint_int(s) for s in val.shape)
+        stride = tuple(hint_int(s) for s in val.stride())
+        itemsize = val.element_size()
+        saved.append(
+            SavedTensor(
+                index=j,
+                fw_output_index=link.fw_output_index,
+                fw_node=link.fw_node.name,
+                bw_node=ph.name if ph is not None else None,
+                buffer=root_id[root] if root is not None else -1,
+                def_step=node_step[link.fw_node],
+                first_bw_use=bw_use_steps[0] if bw_use_steps else None,
+                last_bw_use=bw_use_steps[-1] if bw_use_steps else None,
+                copy_bytes=span_bytes(shape, stride, itemsize),
+                shape=shape,
+                stride=stride,
+                dtype=str(val.dtype).replace("torch.", ""),
+                device=str(val.device),
+                view_key=(shape, stride, hint_int(val.storage_offset()), str(val.dtype)),
+                evictable=not reason,
+                reason=reason,
+            )
+        )
+        if root is not None:
+            saved_of_root.setdefault(root, []).append(j)
+
+    buffers: list[Buffer] = []
+    for r, info in roots.items():
+        kind = kind_of.get(r, BufferKind.TEMPORARY)
+        t = key_tensor[r] if r in key_tensor else None
+        nbytes = t.untyped_storage().nbytes() if t is not None else 0
+        uses = sorted(info["uses"])
+        end = max([info["def"]] + uses)
+        if kind in (BufferKind.PARAMETER, BufferKind.INPUT, BufferKind.OUTPUT, BufferKind.GRADIENT):
+            end = last
+        tdev = t.device if t is not None else device
+        on_device = kind is not BufferKind.HOST and (tdev == device or device.type == "cpu")
+        buffers.append(
+            Buffer(
+                id=root_id[r],
+                kind=kind,
+                size_bytes=hint_int(nbytes),
+                size_expr=_size_expr(nbytes),
+                device=str(tdev),
+                on_device=on_device,
+                def_step=info["def"],
+                last_step=end,
+                use_steps=tuple(uses),
+                nodes=tuple(info["nodes"]),
+                saved=tuple(saved_of_root.get(r, ())),
+                last_fw_use=(
+                    max(info["fw_uses"]) if info["fw_uses"] else (info["def"] if info["def"] < num_fw else None)
+                ),
+                first_bw_use=min(info["bw_uses"]) if info["bw_uses"] else None,
+            )
+        )
+    return Liveness(
+        steps=tuple(steps),
+        num_fw_steps=num_fw,
+        buffers=tuple(buffers),
+        saved=tuple(saved),
+        device=str(device),
+        step_of=step_of,
+    )

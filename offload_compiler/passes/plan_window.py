@@ -1,0 +1,425 @@
+"""The working-window planner: which saved activations to evict, and where every copy goes.
+
+A pure function of (liveness, costs, budget). For an evicted buffer:
+
+* each distinct saved view gets a device-to-host copy issued right after the view is defined
+  (its data is final then, so the copy overlaps the rest of the forward);
+* the forward waits for those copies after the buffer's last forward reader, or later if the
+  copies need more compute to hide under; the device storage is freed at that wait;
+* the backward issues the host-to-device copies (the *prefetch*) early enough that they finish
+  under the compute before the first backward reader, and waits right before that reader. The
+  prefetched tensors hold device memory from the prefetch on, so the window between prefetch and
+  use is part of the peak.
+
+Selection is greedy over the peak: while the simulated peak exceeds the budget, take the step
+where it peaks and cover it with the candidate that costs least: first a candidate whose copies
+hide fully (largest first), else the smallest tightening of some candidate's window (wait earlier
+or prefetch later), ranked by the copy time it exposes, then by size. With every candidate at its
+tightest window the peak is the lowest any plan reaches; a budget below it is infeasible and the
+plan says what dominates that peak.
+
+After selection, copy placement accounts for channel contention (copies in one direction run one
+at a time): D2H waits move later and prefetches earlier until each copy hides, as far as the
+budget allows. :func:`~offload_compiler.passes.simulate.simulate` then predicts the step time and
+the exposed copy time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..options import format_bytes
+from .cost_model import Costs
+from .liveness import Liveness
+from .simulate import CopyTask, Timeline, simulate
+
+__all__ = ["CopyGroup", "Eviction", "Plan", "plan", "planned_live_bytes", "copy_tasks"]
+
+
+@dataclass(frozen=True)
+class CopyGroup:
+    """Saved tensors of one buffer that are the same view: one host copy serves them all.
+
+    Steps are joint-schedule indices: ``issue_after`` (forward: the D2H copy starts after this
+    node), ``wait_before`` (backward: the prefetch wait goes right before this node, the group's
+    first reader) and ``last_use`` (backward: its last reader).
+    """
+
+    saved: tuple[int, ...]
+    copy_bytes: int
+    issue_after: int
+    wait_before: int
+    last_use: int
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """One evicted buffer.
+
+    Attributes:
+        buffer: the :class:`~offload_compiler.passes.liveness.Buffer` id.
+        size_bytes: device bytes freed while it is on the host.
+        groups: its host copies.
+        wait_after: forward step after which the D2H copies are waited for (the storage is freed).
+        prefetch_before: backward step before which the H2D copies are issued.
+        idle_gap_seconds: compute time between its last forward and first backward reader.
+    """
+
+    buffer: int
+    size_bytes: int
+    groups: tuple[CopyGroup, ...]
+    wait_after: int
+    prefetch_before: int
+    idle_gap_seconds: float
+
+    @property
+    def copy_bytes(self) -> int:
+        return sum(g.copy_bytes for g in self.groups)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer (bytes, seconds).
+
+    Attributes:
+        budget_bytes: the resolved budget (``None``: no limit).
+        evictions: what is evicted and where the copies go.
+        peak_bytes_unplanned / peak_bytes_planned: simulated peaks without and with the plan.
+        lowest_reachable_peak_bytes: the peak with every candidate evicted as tightly as possible.
+        feasible: whether ``peak_bytes_planned <= budget_bytes``.
+        peak_breakdown: device bytes by buffer kind at the planned peak.
+        predicted_step_seconds / exposed_transfer_seconds / compute_seconds: from the simulator.
+        num_candidates: buffers that could have been evicted.
+    """
+
+    budget_bytes: int | None
+    evictions: tuple[Eviction, ...]
+    peak_bytes_unplanned: int
+    peak_bytes_planned: int
+    peak_step_planned: int
+    lowest_reachable_peak_bytes: int
+    feasible: bool
+    peak_breakdown: tuple[tuple[str, int], ...]
+    predicted_step_seconds: float
+    exposed_transfer_seconds: float
+    compute_seconds: float
+    num_candidates: int
+
+    @property
+    def evicted_bytes(self) -> int:
+        """Device bytes of the evicted buffers (each counted once)."""
+        return sum(e.size_bytes for e in self.evictions)
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes moved each way per step."""
+        return sum(e.copy_bytes for e in self.evictions)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, default=str)
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _groups(liveness: Liveness, buffer_id: int) -> list[CopyGroup]:
+    buf = liveness.buffers[buffer_id]
+    by_key: dict[tuple, list[int]] = {}
+    for i in buf.saved:
+        by_key.setdefault(liveness.saved[i].view_key, []).append(i)
+    out = []
+    for members in by_key.values():
+        sts = [liveness.saved[i] for i in members]
+        out.append(
+            CopyGroup(
+                saved=tuple(members),
+                copy_bytes=sts[0].copy_bytes,
+                issue_after=min(s.def_step for s in sts),
+                wait_before=min(s.first_bw_use for s in sts),
+                last_use=max(s.last_bw_use for s in sts),
+            )
+        )
+    return out
+
+
+def planned_live_bytes(liveness: Liveness, evictions: tuple[Eviction, ...] | list[Eviction]) -> np.ndarray:
+    """Device bytes live at each step with ``evictions`` applied (int64 array)."""
+    diff = np.zeros(liveness.num_steps + 1, dtype=np.int64)
+    for ev in evictions:
+        buf = liveness.buffers[ev.buffer]
+        diff[ev.wait_after + 1] -= buf.size_bytes
+        diff[buf.last_step + 1] += buf.size_bytes
+        for g in ev.groups:
+            diff[ev.prefetch_before] += g.copy_bytes
+            diff[g.last_use + 1] -= g.copy_bytes
+    return liveness.live_bytes() + np.cumsum(diff[:-1])
+
+
+def copy_tasks(evictions, costs: Costs) -> list[CopyTask]:
+    """The simulator's copy tasks for ``evictions`` (a D2H and an H2D task per copy group)."""
+    tasks = []
+    for ev in evictions:
+        for g in ev.groups:
+            tasks.append(
+                CopyTask(len(tasks), "d2h", costs.transfer_seconds(g.copy_bytes, "d2h"), g.issue_after + 1, ev.wait_after + 1)
+            )
+            tasks.append(
+                CopyTask(len(tasks), "h2d", costs.transfer_seconds(g.copy_bytes, "h2d"), ev.prefetch_before, g.wait_before)
+            )
+    return tasks
+
+
+class _Cand:
+    """Mutable working state of one candidate during planning."""
+
+    __slots__ = (
+        "buf", "groups", "size", "last", "lo_e", "hi_e", "lo_p", "hi_p", "issue", "d2h", "h2d",
+        "e", "p", "selected", "gap",
+    )
+
+
+def plan(liveness: Liveness, costs: Costs, budget_bytes: int | None, min_offload_bytes: int = 0) -> Plan:
+    """Plan evictions so the simulated peak stays within ``budget_bytes`` (see module docstring).
+
+    Args:
+        liveness: from :func:`~offload_compiler.passes.liveness.analyze`.
+        costs: from :func:`~offload_compiler.passes.cost_model.estimate` on the same graphs.
+        budget_bytes: peak device bytes allowed; ``None`` means no limit (nothing is evicted).
+        min_offload_bytes: buffers smaller than this are not candidates.
+
+    Returns:
+        A :class:`Plan`. When the budget cannot be met, ``feasible`` is False and the plan holds
+        every candidate at its tightest window (the lowest reachable peak); the caller decides
+        whether that is an error.
+    """
+    T = liveness.num_steps
+    F = liveness.num_fw_steps
+    base = liveness.live_bytes()
+    unplanned_peak = int(base.max()) if T else 0
+    secs = np.asarray(costs.step_seconds, dtype=np.float64)
+    ce = np.concatenate([[0.0], np.cumsum(secs)])  # ce[s] = start of step s; ce[s+1] = its end
+    bw_compute = [s.index for s in liveness.steps[F:] if not s.is_placeholder]
+    b0 = bw_compute[0] if bw_compute else F
+    last_fw = F - 2  # the node before the forward's output node
+
+    cands: list[_Cand] = []
+    for buf in liveness.candidates(min_offload_bytes):
+        c = _Cand()
+        c.buf = buf
+        c.groups = _groups(liveness, buf.id)
+        c.size = buf.size_bytes
+        c.last = buf.last_step
+        c.issue = max(g.issue_after for g in c.groups)
+        c.lo_e = max(buf.last_fw_use, c.issue)
+        c.hi_e = max(c.lo_e, last_fw)
+        c.hi_p = buf.first_bw_use
+        c.lo_p = min(b0, c.hi_p)
+        copy_bytes = sum(g.copy_bytes for g in c.groups)
+        c.d2h = costs.transfer_seconds(copy_bytes, "d2h")
+        c.h2d = costs.transfer_seconds(copy_bytes, "h2d")
+        # Ideal window: hide each copy under compute, ignoring other copies.
+        e = int(np.searchsorted(ce, ce[c.issue + 1] + c.d2h, side="left")) - 1
+        c.e = min(max(e, c.lo_e), c.hi_e)
+        p = int(np.searchsorted(ce, ce[c.hi_p] - c.h2d, side="right")) - 1
+        c.p = min(max(p, c.lo_p), c.hi_p)
+        c.selected = False
+        c.gap = float(ce[buf.first_bw_use] - ce[buf.last_fw_use + 1])
+        cands.append(c)
+
+    def exposure(c: _Cand, e: int, p: int) -> float:
+        hidden_d2h = ce[e + 1] - ce[c.issue + 1]
+        hidden_h2d = ce[c.hi_p] - ce[p]
+        return max(0.0, c.d2h - hidden_d2h) + max(0.0, c.h2d - hidden_h2d)
+
+    def change(c: _Cand, e: int, p: int) -> np.ndarray:
+        """Change of live device bytes per step when ``c`` is evicted with window (e, p)."""
+        d = np.zeros(T + 1, dtype=np.int64)
+        d[e + 1] -= c.size
+        d[c.last + 1] += c.size
+        for g in c.groups:
+            d[p] += g.copy_bytes
+            d[g.last_use + 1] -= g.copy_bytes
+        return np.cumsum(d[:-1])
+
+    # The lowest reachable peak: every candidate at its tightest window.
+    tight = base.copy()
+    for c in cands:
+        tight += change(c, c.lo_e, c.hi_p)
+    lowest = int(tight.max()) if T else 0
+
+    cur = base.copy()
+    if budget_bytes is not None and unplanned_peak > budget_bytes:
+        if lowest > budget_bytes:
+            for c in cands:
+                c.e, c.p, c.selected = c.lo_e, c.hi_p, True
+            cur = tight
+        else:
+            _select(cands, cur, budget_bytes, exposure, change)
+            _place_for_contention(cands, cur, budget_bytes, ce, b0)
+
+    chosen = [c for c in cands if c.selected]
+    chosen.sort(key=lambda c: c.buf.def_step)
+    evictions = tuple(
+        Eviction(
+            buffer=c.buf.id,
+            size_bytes=c.size,
+            groups=tuple(c.groups),
+            wait_after=int(c.e),
+            prefetch_before=int(c.p),
+            idle_gap_seconds=c.gap,
+        )
+        for c in chosen
+    )
+    live = planned_live_bytes(liveness, evictions)
+    peak = int(live.max()) if T else 0
+    peak_step = int(live.argmax()) if T else 0
+    timeline: Timeline = simulate(costs.step_seconds, copy_tasks(evictions, costs))
+    breakdown = _breakdown(liveness, evictions, peak_step)
+    return Plan(
+        budget_bytes=budget_bytes,
+        evictions=evictions,
+        peak_bytes_unplanned=unplanned_peak,
+        peak_bytes_planned=peak,
+        peak_step_planned=peak_step,
+        lowest_reachable_peak_bytes=lowest,
+        feasible=budget_bytes is None or peak <= budget_bytes,
+        peak_breakdown=tuple(breakdown.items()),
+        predicted_step_seconds=timeline.step_seconds,
+        exposed_transfer_seconds=timeline.exposed_seconds,
+        compute_seconds=timeline.compute_seconds,
+        num_candidates=len(cands),
+    )
+
+
+def _select(cands, cur: np.ndarray, budget: int, exposure, change) -> None:
+    """Greedy selection over the peak (mutates ``cands`` and ``cur``)."""
+    if not cands:
+        return
+    n = len(cands)
+    size = np.array([c.size for c in cands], dtype=np.int64)
+    lo_e = np.array([c.lo_e for c in cands])
+    hi_p = np.array([c.hi_p for c in cands])
+
+    def tightened(c: _Cand, t: int) -> tuple[int, int]:
+        """The window of ``c`` moved just enough to cover ``t`` and the over-budget steps next to
+        it on the same side."""
+        e, p = c.e, c.p
+        if t <= e:
+            e = t - 1
+            while e > c.lo_e and cur[e] > budget:
+                e -= 1
+        if t >= p:
+            p = t + 1
+            while p < c.hi_p and cur[p] > budget:
+                p += 1
+        return e, p
+
+    # Each round lowers the live bytes at the current peak step by at least one byte-holding
+    # buffer, so this ends; the bound only guards against a bug looping forever.
+    for _ in range(50 * (n + len(cur)) + 100):
+        t = int(cur.argmax())
+        if cur[t] <= budget:
+            return
+        e = np.array([c.e for c in cands])
+        p = np.array([c.p for c in cands])
+        sel = np.array([c.selected for c in cands])
+        # 1) an unselected candidate whose ideal window covers t: largest first.
+        ideal = (~sel) & (e < t) & (t < p)
+        if ideal.any():
+            idx = np.flatnonzero(ideal)
+            c = cands[int(idx[np.argmax(size[idx])])]
+            c.selected = True
+            cur += change(c, c.e, c.p)
+            continue
+        # 2) the cheapest tightening (of any candidate) that covers t.
+        ok = (lo_e < t) & (t < hi_p)
+        if not ok.any():
+            return  # nothing can lower this step
+        best, best_key, best_window = None, None, None
+        for i in np.flatnonzero(ok):
+            c = cands[i]
+            ne, np_ = tightened(c, t)
+            added = exposure(c, ne, np_) - (exposure(c, c.e, c.p) if c.selected else 0.0)
+            key = (added, -c.size)
+            if best_key is None or key < best_key:
+                best, best_key, best_window = c, key, (ne, np_)
+        if best.selected:
+            cur -= change(best, best.e, best.p)
+        best.e, best.p = best_window
+        best.selected = True
+        cur += change(best, best.e, best.p)
+
+
+def _place_for_contention(cands, cur: np.ndarray, budget: int, ce: np.ndarray, b0: int) -> None:
+    """Move D2H waits later and prefetches earlier so copies in one direction, which run one at a
+    time, still hide; never past the budget (mutates ``cands`` and ``cur``)."""
+    chosen = [c for c in cands if c.selected]
+    # Forward: D2H copies in issue order on one channel. Waiting later keeps the storage longer.
+    free = 0.0
+    for c in sorted(chosen, key=lambda c: c.issue):
+        start = max(ce[c.issue + 1], free)
+        end = start + c.d2h
+        free = end
+        want = min(max(int(np.searchsorted(ce, end, side="left")) - 1, c.lo_e), c.hi_e)
+        s = c.e + 1
+        while s <= want and cur[s] + c.size <= budget:
+            s += 1
+        if s - 1 > c.e:
+            cur[c.e + 1 : s] += c.size
+            c.e = s - 1
+    # Backward: H2D copies, latest deadline first, on one channel. Prefetching earlier holds the
+    # copies' device memory longer.
+    until = float("inf")
+    for c in sorted(chosen, key=lambda c: -c.hi_p):
+        end = min(ce[c.hi_p], until)
+        start = end - c.h2d
+        until = start
+        want = min(max(int(np.searchsorted(ce, start, side="right")) - 1, b0), c.hi_p)
+        added = sum(g.copy_bytes for g in c.groups)
+        s = c.p - 1
+        while s >= want and cur[s] + added <= budget:
+            s -= 1
+        if s + 1 < c.p:
+            cur[s + 1 : c.p] += added
+            c.p = s + 1
+
+
+def _breakdown(liveness: Liveness, evictions, step: int) -> dict[str, int]:
+    """Device bytes live at ``step`` by kind, with ``evictions`` applied (as
+    :func:`planned_live_bytes` counts them)."""
+    out: dict[str, int] = {}
+    by_buffer = {e.buffer: e for e in evictions}
+    for b in liveness.buffers:
+        if not b.on_device or not (b.def_step <= step <= b.last_step):
+            continue
+        ev = by_buffer.get(b.id)
+        if ev is not None and step > ev.wait_after:
+            continue
+        out[b.kind.value] = out.get(b.kind.value, 0) + b.size_bytes
+    for ev in evictions:
+        for g in ev.groups:
+            if ev.prefetch_before <= step <= g.last_use:
+                out["prefetched saved activation"] = out.get("prefetched saved activation", 0) + g.copy_bytes
+    return dict(sorted(((k, v) for k, v in out.items() if v), key=lambda kv: -kv[1]))
+
+
+def describe_infeasible(plan_: Plan, liveness: Liveness, budget_request: str, min_offload_bytes: int) -> str:
+    """The error text for a budget no plan reaches: the budget, the lowest reachable peak, and what
+    dominates that peak."""
+    parts = ", ".join(
+        f"{kind} {format_bytes(b)} ({100 * b / max(1, plan_.lowest_reachable_peak_bytes):.0f}%)"
+        for kind, b in plan_.peak_breakdown
+    )
+    step = liveness.steps[plan_.peak_step_planned]
+    dominant = plan_.peak_breakdown[0][0] if plan_.peak_breakdown else "nothing"
+    return (
+        f"trinity: memory_budget {budget_request} = {format_bytes(plan_.budget_bytes)} "
+        f"({plan_.budget_bytes} bytes) is below the lowest peak any plan reaches, "
+        f"{format_bytes(plan_.lowest_reachable_peak_bytes)} ({plan_.lowest_reachable_peak_bytes} bytes; "
+        f"{format_bytes(plan_.peak_bytes_unplanned)} without offloading), at {step.graph} node "
+        f"{step.node!r}. That peak is dominated by {dominant}: {parts}. "
+        f"{plan_.num_candidates} saved activations of at least {format_bytes(min_offload_bytes)} "
+        "can be offloaded and all are. Raise memory_budget, lower min_offload_bytes, or pass "
+        "on_infeasible='warn' to run with the lowest-peak plan."
+    )

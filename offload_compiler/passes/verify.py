@@ -1,0 +1,132 @@
+"""Verifier: structural invariants of a rewritten graph pair and its re-measured peak.
+
+Checked (transfer nodes found by op target, never by name):
+
+1. every ``evict`` has exactly one ``evict_wait`` on its host tensor, later in the forward, that
+   also takes the evicted tensor, and the host tensor is returned by the forward;
+2. the evicted device tensor (and every alias of it) is not read after its ``evict_wait``;
+3. every host tensor the backward receives feeds exactly one ``prefetch``; every ``prefetch`` has
+   exactly one ``prefetch_wait``; nothing reads the prefetched tensor between the two;
+4. the peak of the rewritten pair, measured again by liveness from scratch, is within the budget
+   and equals the planner's simulated peak.
+
+Reads ``node.meta["val"]``; writes nothing.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..graph_pair import GraphPair, tensor_vals
+from ..options import format_bytes
+from ..runtime.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
+from . import liveness as liveness_pass
+
+__all__ = ["VerificationError", "verify"]
+
+
+class VerificationError(RuntimeError):
+    """A rewritten graph pair breaks an invariant; the message says which and where."""
+
+
+def _storages(node: fx.Node) -> set:
+    return {StorageWeakRef(t.untyped_storage()) for t in tensor_vals(node)}
+
+
+def _check_forward(fw: fx.GraphModule, fw_outputs: list) -> list[str]:
+    errors = []
+    nodes = list(fw.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    outs = set(n for n in fw_outputs if isinstance(n, fx.Node))
+    storages = {n: _storages(n) for n in nodes}
+    last_read: dict = {}  # storage -> (position, reader, the alias it reads)
+    for i, n in enumerate(nodes):
+        if n.op in ("output", "placeholder"):
+            continue
+        for m in n.all_input_nodes:
+            for s in storages[m]:
+                last_read[s] = (i, n, m)
+    # A buffer evicted as several views is freed after the last of their waits.
+    freed_at: dict = {}  # storage -> (position, wait node)
+    for n in nodes:
+        if n.op == "call_function" and n.target is EVICT_WAIT and isinstance(n.args[1], fx.Node):
+            for s in storages[n.args[1]]:
+                if s not in freed_at or freed_at[s][0] < pos[n]:
+                    freed_at[s] = (pos[n], n)
+    for n in nodes:
+        if n.op != "call_function" or n.target is not EVICT:
+            continue
+        waits = [u for u in n.users if u.op == "call_function" and u.target is EVICT_WAIT and u.args[0] is n]
+        if len(waits) != 1:
+            errors.append(f"forward: evict {n.name!r} has {len(waits)} evict_wait nodes (expected 1)")
+            continue
+        w = waits[0]
+        src = n.args[0]
+        if w.args[1] is not src:
+            errors.append(f"forward: {w.name!r} waits for {n.name!r} but keeps {w.args[1]} alive, not its source {src}")
+        if pos[w] < pos[n]:
+            errors.append(f"forward: {w.name!r} comes before its evict {n.name!r}")
+        if n not in outs:
+            errors.append(f"forward: host tensor {n.name!r} is not returned to the backward")
+        # Nothing may read the evicted storage after the wait (it is freed there).
+        for s in storages[src]:
+            i, reader, alias = last_read.get(s, (-1, None, None))
+            free_pos, free_node = freed_at[s]
+            if i > free_pos:
+                errors.append(
+                    f"forward: {reader.name!r} reads {alias.name!r}, an alias of evicted {src.name!r}, "
+                    f"after its storage was freed at {free_node.name!r}"
+                )
+        if src in outs:
+            errors.append(f"forward: evicted {src.name!r} is still returned to the backward as a device tensor")
+    return errors
+
+
+def _check_backward(bw: fx.GraphModule) -> list[str]:
+    errors = []
+    nodes = list(bw.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    for n in nodes:
+        if n.op != "call_function" or n.target is not PREFETCH:
+            continue
+        host = n.args[0]
+        if host.op != "placeholder":
+            errors.append(f"backward: prefetch {n.name!r} reads {host}, not a host placeholder")
+        elif len(host.users) != 1:
+            errors.append(f"backward: host placeholder {host.name!r} has {len(host.users)} readers (expected 1 prefetch)")
+        waits = [u for u in n.users if u.op == "call_function" and u.target is PREFETCH_WAIT]
+        if len(waits) != 1:
+            errors.append(f"backward: prefetch {n.name!r} has {len(waits)} prefetch_wait nodes (expected 1)")
+            continue
+        w = waits[0]
+        for u in n.users:
+            if u is w:
+                continue
+            if pos[u] < pos[w]:
+                errors.append(f"backward: {u.name!r} reads prefetched {n.name!r} before its wait {w.name!r}")
+    return errors
+
+
+def verify(pair: GraphPair, budget_bytes: int | None, expected_peak_bytes: int | None = None) -> int:
+    """Check the rewritten ``pair`` (see module docstring) and return its re-measured peak (bytes).
+
+    Raises:
+        VerificationError: listing every broken invariant.
+    """
+    errors = _check_forward(pair.forward, pair.fw_outputs()) + _check_backward(pair.backward)
+    live = liveness_pass.analyze(pair)
+    peak = live.peak_bytes
+    if budget_bytes is not None and peak > budget_bytes:
+        step = live.steps[live.peak_step]
+        errors.append(
+            f"re-measured peak {format_bytes(peak)} ({peak} bytes) at {step.graph} node {step.node!r} "
+            f"exceeds the budget {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
+        )
+    if expected_peak_bytes is not None and peak != expected_peak_bytes:
+        errors.append(
+            f"re-measured peak {peak} bytes differs from the planner's simulated peak {expected_peak_bytes} bytes"
+        )
+    if errors:
+        raise VerificationError("trinity verification failed:\n  - " + "\n  - ".join(errors))
+    return peak

@@ -1,0 +1,141 @@
+"""Per-graph-pair reports: what the planner decided and what it predicts.
+
+:func:`last_report` returns the report of the most recently compiled forward/backward pair,
+:func:`reports` all of this process's, oldest first. The log is append-only and thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass
+
+from .options import format_bytes
+from .runtime.transfer import TransferStats, _registry
+
+__all__ = ["TrinityReport", "last_report", "reports", "record_report", "next_graph_id"]
+
+
+@dataclass(frozen=True)
+class TrinityReport:
+    """What trinity did to one compiled forward/backward pair (bytes, seconds).
+
+    Attributes:
+        graph_id: this process's sequence number of the pair (also its dump folder name).
+        device: the compute device.
+        inner: the inner compiler (``"inductor"`` or ``"eager"``).
+        budget_request: the budget as asked for (e.g. ``"50% of the unplanned peak"``).
+        budget_bytes: the budget resolved for this pair (``None``: no limit).
+        peak_bytes_unplanned: simulated peak of the pair without offloading.
+        peak_bytes_planned: simulated peak with the plan (re-measured by the verifier when on).
+        lowest_reachable_peak_bytes: the lowest peak any plan reaches.
+        evicted_bytes: device bytes of the evicted saved activations.
+        copy_bytes: bytes copied to the host (and back) per step.
+        num_evicted: evicted buffers.
+        num_candidates: saved activations that could have been evicted.
+        num_saved: tensors saved for the backward.
+        predicted_step_seconds: simulated forward+backward time with the plan.
+        exposed_transfer_seconds: simulated copy time not hidden under compute.
+        compute_seconds: simulated compute time alone.
+        feasible: whether the plan meets the budget.
+        fallback_reason: why nothing was offloaded despite a budget, if so.
+        pass_seconds: wall time of each pass.
+        dump_dir: where this pair's dumps are (``None`` without ``dump_dir``).
+        runtime_id: id of the pair's transfer runtime.
+        device_name: the device figures the cost model used.
+    """
+
+    graph_id: int
+    device: str
+    inner: str
+    budget_request: str
+    budget_bytes: int | None
+    peak_bytes_unplanned: int
+    peak_bytes_planned: int
+    lowest_reachable_peak_bytes: int
+    evicted_bytes: int
+    copy_bytes: int
+    num_evicted: int
+    num_candidates: int
+    num_saved: int
+    predicted_step_seconds: float
+    exposed_transfer_seconds: float
+    compute_seconds: float
+    feasible: bool
+    fallback_reason: str | None
+    pass_seconds: tuple[tuple[str, float], ...]
+    dump_dir: str | None
+    runtime_id: int
+    device_name: str
+
+    def runtime_stats(self) -> TransferStats | None:
+        """Live counters of this pair's transfer runtime (host pool included), or ``None`` once
+        the compiled code is gone."""
+        runtime = _registry.get(self.runtime_id)
+        return runtime.stats() if runtime is not None else None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    def summary(self) -> str:
+        """A few human-readable lines."""
+        lines = [
+            f"trinity graph {self.graph_id} on {self.device} (inner={self.inner}, figures: {self.device_name})",
+            f"  budget     {self.budget_request} -> {format_bytes(self.budget_bytes)}",
+            f"  peak       {format_bytes(self.peak_bytes_unplanned)} unplanned -> "
+            f"{format_bytes(self.peak_bytes_planned)} planned (lowest reachable "
+            f"{format_bytes(self.lowest_reachable_peak_bytes)})",
+            f"  evicted    {self.num_evicted} of {self.num_candidates} candidate buffers "
+            f"({self.num_saved} saved tensors), {format_bytes(self.evicted_bytes)}; "
+            f"{format_bytes(self.copy_bytes)} copied each way",
+            f"  predicted  {self.predicted_step_seconds * 1e3:.3f} ms per step, "
+            f"{self.exposed_transfer_seconds * 1e3:.3f} ms of it exposed copies "
+            f"(compute {self.compute_seconds * 1e3:.3f} ms)",
+        ]
+        if self.fallback_reason:
+            lines.append(f"  fallback   {self.fallback_reason}")
+        if self.dump_dir:
+            lines.append(f"  dumps      {self.dump_dir}")
+        return "\n".join(lines)
+
+
+class _ReportLog:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._reports: list[TrinityReport] = []
+        self._next_id = 0
+
+    def next_id(self) -> int:
+        with self._lock:
+            self._next_id += 1
+            return self._next_id
+
+    def append(self, report: TrinityReport) -> None:
+        with self._lock:
+            self._reports.append(report)
+
+    def all(self) -> tuple[TrinityReport, ...]:
+        with self._lock:
+            return tuple(self._reports)
+
+
+_LOG = _ReportLog()
+
+
+def next_graph_id() -> int:
+    return _LOG.next_id()
+
+
+def record_report(report: TrinityReport) -> None:
+    _LOG.append(report)
+
+
+def last_report() -> TrinityReport | None:
+    """The report of the most recently compiled forward/backward pair, or ``None``."""
+    all_ = _LOG.all()
+    return all_[-1] if all_ else None
+
+
+def reports() -> tuple[TrinityReport, ...]:
+    """Every report of this process, oldest first."""
+    return _LOG.all()

@@ -1,0 +1,89 @@
+"""The ``trinity::*`` custom ops that the rewritten graphs call.
+
+Schemas (``rt`` is the id of the owning :class:`~offload_compiler.runtime.transfer.TransferRuntime`):
+
+* ``trinity::evict(Tensor src, int rt) -> Tensor``: start the device-to-host copy of ``src``;
+  returns the host tensor (same size, stride, dtype; pooled, pinned on CUDA).
+* ``trinity::evict_wait(Tensor(a!) host, Tensor src, int rt) -> ()``: the compute stream waits for
+  that copy. ``src`` is an argument so that it stays alive up to here (keep-alive through the IR,
+  no ``record_stream``); ``host`` is marked as written so that every later reader is ordered after.
+* ``trinity::prefetch(Tensor host, Device device, int rt) -> Tensor``: allocate the device tensor
+  and start the host-to-device copy into it.
+* ``trinity::prefetch_wait(Tensor(a!) dev, int rt) -> ()``: the compute stream waits for that copy;
+  readers of ``dev`` come after it.
+
+``torch.library.custom_op`` cannot express these (it forbids mutated-and-returned aliasing
+patterns and cannot mark the keep-alive), so they are defined with ``torch.library.Library`` and
+given fake (meta) implementations for FakeTensor tracing and Inductor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.node import has_side_effect
+
+from .transfer import get_runtime
+
+__all__ = ["EVICT", "EVICT_WAIT", "PREFETCH", "PREFETCH_WAIT", "TRANSFER_OPS"]
+
+_lib = torch.library.Library("trinity", "DEF")
+_lib.define("evict(Tensor src, int rt) -> Tensor")
+_lib.define("evict_wait(Tensor(a!) host, Tensor src, int rt) -> ()")
+_lib.define("prefetch(Tensor host, Device device, int rt) -> Tensor")
+_lib.define("prefetch_wait(Tensor(a!) dev, int rt) -> ()")
+
+
+def _evict(src: torch.Tensor, rt: int) -> torch.Tensor:
+    return get_runtime(rt).evict(src)
+
+
+def _evict_wait(host: torch.Tensor, src: torch.Tensor, rt: int) -> None:
+    get_runtime(rt).evict_wait(host, src)
+
+
+def _prefetch(host: torch.Tensor, device: torch.device, rt: int) -> torch.Tensor:
+    return get_runtime(rt).prefetch(host, device)
+
+
+def _prefetch_wait(dev: torch.Tensor, rt: int) -> None:
+    get_runtime(rt).prefetch_wait(dev)
+
+
+for _name, _fn in (
+    ("evict", _evict),
+    ("evict_wait", _evict_wait),
+    ("prefetch", _prefetch),
+    ("prefetch_wait", _prefetch_wait),
+):
+    _lib.impl(_name, _fn, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("trinity::evict", lib=_lib)
+def _evict_fake(src: torch.Tensor, rt: int) -> torch.Tensor:
+    return torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device="cpu")
+
+
+@torch.library.register_fake("trinity::evict_wait", lib=_lib)
+def _evict_wait_fake(host: torch.Tensor, src: torch.Tensor, rt: int) -> None:
+    return None
+
+
+@torch.library.register_fake("trinity::prefetch", lib=_lib)
+def _prefetch_fake(host: torch.Tensor, device: torch.device, rt: int) -> torch.Tensor:
+    return torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=device)
+
+
+@torch.library.register_fake("trinity::prefetch_wait", lib=_lib)
+def _prefetch_wait_fake(dev: torch.Tensor, rt: int) -> None:
+    return None
+
+
+EVICT = torch.ops.trinity.evict.default
+EVICT_WAIT = torch.ops.trinity.evict_wait.default
+PREFETCH = torch.ops.trinity.prefetch.default
+PREFETCH_WAIT = torch.ops.trinity.prefetch_wait.default
+TRANSFER_OPS = (EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT)
+
+# Keep FX dead-code elimination away from the waits even where nothing reads their result.
+for _op in (EVICT_WAIT, PREFETCH_WAIT):
+    has_side_effect(_op)

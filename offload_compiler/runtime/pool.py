@@ -1,0 +1,246 @@
+"""A bounded, size-bucketed pool of host memory for evicted tensors.
+
+Blocks are pinned (page-locked) when CUDA is available, pageable otherwise. A block is in use
+while any tensor views it: the pool keeps one reference to each block's storage and a block is
+free when that is the only one left (PyTorch's storage use count). So a host copy returned by
+``evict`` and saved by autograd stays valid for as long as autograd keeps it (a second backward
+with ``retain_graph=True`` reads the same bytes), and returns to the pool by itself once it is
+dropped. A block that an in-flight host-to-device copy still reads carries that copy's event and
+is not handed out again before the event completes.
+
+Sizes are rounded up to a bucket: the next of 1, 1.25, 1.5 or 1.75 times a power of two (at most
+25% waste), at least 4 KiB.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..options import format_bytes
+
+__all__ = ["HostPool", "HostPoolStats", "HostPoolExhausted", "bucket_size", "live_pool_blocks"]
+
+log = logging.getLogger(__name__)
+
+_MIN_BLOCK = 4096
+_LIVE_POOLS: weakref.WeakSet[HostPool] = weakref.WeakSet()
+
+
+def bucket_size(nbytes: int) -> int:
+    """The block size (bytes) the pool uses for a request of ``nbytes``: the smallest of
+    ``{1, 1.25, 1.5, 1.75} * 2**k`` that is >= ``nbytes`` and >= 4 KiB."""
+    if nbytes <= _MIN_BLOCK:
+        return _MIN_BLOCK
+    k = (nbytes - 1).bit_length() - 1  # 2**k < nbytes <= 2**(k+1)
+    base = 1 << k
+    for quarter in (5, 6, 7, 8):
+        size = base * quarter // 4
+        if size >= nbytes:
+            return size
+    raise AssertionError("unreachable")
+
+
+class HostPoolExhausted(MemoryError):
+    """Raised when a host block cannot be had within the pool's limit.
+
+    Attributes:
+        requested_bytes: the request that failed.
+        held_bytes: what the pool holds (in use and free) at the time.
+        limit_bytes: the pool's limit.
+    """
+
+    def __init__(self, requested_bytes: int, held_bytes: int, in_use_bytes: int, limit_bytes: int, cause: str = ""):
+        self.requested_bytes = requested_bytes
+        self.held_bytes = held_bytes
+        self.in_use_bytes = in_use_bytes
+        self.limit_bytes = limit_bytes
+        msg = (
+            f"trinity host pool cannot provide {format_bytes(requested_bytes)} ({requested_bytes} bytes): "
+            f"it holds {format_bytes(held_bytes)} ({in_use_bytes} bytes in use) of its limit "
+            f"{format_bytes(limit_bytes)}"
+        )
+        if cause:
+            msg += f"; the allocation failed: {cause}"
+        msg += ". Raise the option host_pool_limit_bytes, or lower what is offloaded (a larger memory_budget)."
+        super().__init__(msg)
+
+
+@dataclass(frozen=True)
+class HostPoolStats:
+    """A snapshot of a pool's counters (bytes are block bytes, after bucket rounding)."""
+
+    held_bytes: int
+    in_use_bytes: int
+    peak_held_bytes: int
+    num_blocks: int
+    num_allocations: int
+    num_reuses: int
+    num_releases: int
+    limit_bytes: int
+    pinned: bool
+
+
+class _Block:
+    __slots__ = ("storage", "size", "event", "ptr")
+
+    def __init__(self, storage: torch.UntypedStorage, size: int):
+        self.storage = storage
+        self.size = size
+        self.event = None  # an in-flight copy reading this block (CUDA event) or None
+        self.ptr = storage.data_ptr()
+
+    def in_use(self) -> bool:
+        # The pool's own reference is the one use left when no tensor views the block.
+        return torch._C._storage_Use_Count(self.storage._cdata) > 1
+
+    def copy_pending(self) -> bool:
+        if self.event is None:
+            return False
+        if self.event.query():
+            self.event = None
+            return False
+        return True
+
+
+class HostPool:
+    """Host memory for evicted tensors, bounded by ``limit_bytes``.
+
+    Args:
+        limit_bytes: the most bytes the pool may hold (blocks in use plus free blocks).
+        pin_memory: allocate page-locked memory (only valid when CUDA is available).
+
+    Thread-safe. Stats via :meth:`stats`.
+    """
+
+    def __init__(self, limit_bytes: int, pin_memory: bool = False):
+        if limit_bytes <= 0:
+            raise ValueError(f"HostPool limit_bytes must be positive, got {limit_bytes}")
+        self.limit_bytes = int(limit_bytes)
+        self.pin_memory = bool(pin_memory)
+        self._lock = threading.Lock()
+        self._blocks: dict[int, list[_Block]] = {}
+        self._held = 0
+        self._peak_held = 0
+        self._allocations = 0
+        self._reuses = 0
+        self._releases = 0
+        _LIVE_POOLS.add(self)
+
+    # ------------------------------------------------------------------ allocation
+    def empty_strided(self, size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor of ``size``/``stride``/``dtype`` backed by a pool block.
+
+        Raises:
+            HostPoolExhausted: when the block cannot be had within the limit (or the allocation
+                itself fails); the pool keeps nothing of a failed request.
+        """
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        span = 1
+        for s, st in zip(size, stride):
+            if s == 0:
+                span = 0
+                break
+            span += (s - 1) * st
+        nbytes = span * itemsize
+        with self._lock:
+            block = self._acquire_locked(max(nbytes, 1))
+            # Viewing the block marks it in use; do it under the lock so no other thread takes it.
+            t = torch.empty(0, dtype=dtype)
+            t.set_(block.storage, 0, tuple(size), tuple(stride))
+        return t
+
+    def _acquire_locked(self, nbytes: int) -> _Block:
+        size = bucket_size(nbytes)
+        for block in self._blocks.get(size, ()):
+            if not block.in_use() and not block.copy_pending():
+                self._reuses += 1
+                return block
+        if self._held + size > self.limit_bytes:
+            self._trim_locked(self._held + size - self.limit_bytes, keep=size)
+        if self._held + size > self.limit_bytes:
+            raise HostPoolExhausted(nbytes, self._held, self._in_use_locked(), self.limit_bytes)
+        try:
+            storage = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory).untyped_storage()
+        except (RuntimeError, MemoryError) as exc:
+            raise HostPoolExhausted(nbytes, self._held, self._in_use_locked(), self.limit_bytes, str(exc)) from exc
+        block = _Block(storage, size)
+        self._blocks.setdefault(size, []).append(block)
+        self._held += size
+        self._peak_held = max(self._peak_held, self._held)
+        self._allocations += 1
+        return block
+
+    def _trim_locked(self, need: int, keep: int) -> None:
+        """Release free blocks of other sizes until ``need`` bytes are freed."""
+        freed = 0
+        for size in sorted(self._blocks, reverse=True):
+            if size == keep:
+                continue
+            blocks = self._blocks[size]
+            for block in list(blocks):
+                if freed >= need:
+                    return
+                if not block.in_use() and not block.copy_pending():
+                    blocks.remove(block)
+                    self._held -= size
+                    self._releases += 1
+                    freed += size
+
+    def mark_read_by(self, tensor: torch.Tensor, event) -> None:
+        """Record that an in-flight copy (``event``, a ``torch.cuda.Event``) reads ``tensor``'s
+        block, so the block is not reused before the copy completes."""
+        ptr = tensor.untyped_storage().data_ptr()
+        with self._lock:
+            for blocks in self._blocks.values():
+                for block in blocks:
+                    if block.ptr == ptr:
+                        block.event = event
+                        return
+
+    def release_free(self) -> int:
+        """Give all free blocks back to the system; returns the bytes released."""
+        with self._lock:
+            before = self._held
+            self._trim_locked(self._held, keep=-1)
+            return before - self._held
+
+    # ------------------------------------------------------------------ introspection
+    def _in_use_locked(self) -> int:
+        return sum(b.size for blocks in self._blocks.values() for b in blocks if b.in_use())
+
+    def stats(self) -> HostPoolStats:
+        with self._lock:
+            return HostPoolStats(
+                held_bytes=self._held,
+                in_use_bytes=self._in_use_locked(),
+                peak_held_bytes=self._peak_held,
+                num_blocks=sum(len(b) for b in self._blocks.values()),
+                num_allocations=self._allocations,
+                num_reuses=self._reuses,
+                num_releases=self._releases,
+                limit_bytes=self.limit_bytes,
+                pinned=self.pin_memory,
+            )
+
+    def block_ranges(self) -> list[tuple[int, int]]:
+        """``(data_ptr, size)`` of every block held, for memory accounting."""
+        with self._lock:
+            return [(b.ptr, b.size) for blocks in self._blocks.values() for b in blocks]
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(p == ptr for p, _ in self.block_ranges())
+
+
+def live_pool_blocks() -> list[tuple[int, int]]:
+    """``(data_ptr, size)`` of every block of every live pool in this process (for accounting:
+    pool memory is host memory, never device memory)."""
+    out: list[tuple[int, int]] = []
+    for pool in list(_LIVE_POOLS):
+        out.extend(pool.block_ranges())
+    return out

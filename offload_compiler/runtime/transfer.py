@@ -1,0 +1,162 @@
+"""The transfer runtime of one compiled graph pair: host pool, copy streams, pending copies.
+
+A :class:`TransferRuntime` belongs to the compiled artifact (the backend keeps a strong reference
+next to the compiled function). The ``trinity::*`` ops find it through an integer id baked into
+the graph; :func:`get_runtime` maps ids to live runtimes through a weak registry, so a runtime
+lives exactly as long as the compiled code that uses it.
+
+Copies move raw bytes: the host copy has the same size, stride and dtype as the device tensor, and
+the bytes spanned by the view (from its first to its last element) are copied as one block. So a
+non-contiguous view (``logits[:, :-1]``, a transpose) round-trips with its exact layout and no
+temporary, and a view never drags the rest of its storage along.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .pool import HostPool, HostPoolStats
+from .streams import CopyStreams
+
+__all__ = ["TransferRuntime", "TransferStats", "get_runtime", "span_bytes"]
+
+_ids = itertools.count(1)
+_registry: weakref.WeakValueDictionary[int, TransferRuntime] = weakref.WeakValueDictionary()
+_registry_lock = threading.Lock()
+
+
+def span_bytes(size: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
+    """Bytes from a view's first element to the end of its last (0 for an empty view)."""
+    span = 1
+    for s, st in zip(size, stride):
+        if s == 0:
+            return 0
+        span += (s - 1) * st
+    return span * itemsize
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of the bytes ``t`` spans, starting at its first element."""
+    n = span_bytes(tuple(t.shape), tuple(t.stride()), t.element_size())
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+    flat.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,))
+    return flat
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """Counters of one runtime since it was created (bytes are view bytes, not block bytes)."""
+
+    num_evicts: int
+    num_prefetches: int
+    bytes_d2h: int
+    bytes_h2d: int
+    pending_copies: int
+    host_pool: HostPoolStats
+
+
+class TransferRuntime:
+    """Host pool, copy streams and pending-copy events for one compiled graph pair.
+
+    Args:
+        device: the compute device of the graphs.
+        host_pool_limit_bytes: the host pool's limit (bytes).
+    """
+
+    def __init__(self, device: torch.device, host_pool_limit_bytes: int):
+        self.device = torch.device(device)
+        self.streams = CopyStreams(self.device)
+        self.pool = HostPool(host_pool_limit_bytes, pin_memory=self.streams.enabled)
+        self._pending: dict[int, object] = {}
+        self._lock = threading.Lock()
+        self._evicts = 0
+        self._prefetches = 0
+        self._bytes_d2h = 0
+        self._bytes_h2d = 0
+        with _registry_lock:
+            self.id = next(_ids)
+            _registry[self.id] = self
+
+    # ------------------------------------------------------------------ the four operations
+    def evict(self, src: torch.Tensor) -> torch.Tensor:
+        """Start the D2H copy of ``src`` into a pooled host tensor of the same layout; return it.
+
+        ``src`` must stay alive until :meth:`evict_wait` (the graph passes it there)."""
+        host = self.pool.empty_strided(tuple(src.shape), tuple(src.stride()), src.dtype)
+        nbytes = span_bytes(tuple(src.shape), tuple(src.stride()), src.element_size())
+        if nbytes:
+            with self.streams.start_on(self.streams.d2h):
+                _flat_bytes(host).copy_(_flat_bytes(src), non_blocking=self.streams.enabled)
+            event = self.streams.record(self.streams.d2h)
+        else:
+            event = None
+        with self._lock:
+            if event is not None:
+                self._pending[host.untyped_storage().data_ptr()] = event
+            self._evicts += 1
+            self._bytes_d2h += nbytes
+        return host
+
+    def evict_wait(self, host: torch.Tensor, src: torch.Tensor) -> None:
+        """Make the compute stream wait for ``host``'s D2H copy; after this ``src`` may be freed."""
+        with self._lock:
+            event = self._pending.pop(host.untyped_storage().data_ptr(), None)
+        self.streams.wait(event)
+
+    def prefetch(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Allocate a device tensor with ``host``'s layout and start the H2D copy into it."""
+        dev = torch.empty_strided(tuple(host.shape), tuple(host.stride()), dtype=host.dtype, device=device)
+        nbytes = span_bytes(tuple(host.shape), tuple(host.stride()), host.element_size())
+        event = None
+        if nbytes:
+            with self.streams.start_on(self.streams.h2d):
+                _flat_bytes(dev).copy_(_flat_bytes(host), non_blocking=self.streams.enabled)
+            event = self.streams.record(self.streams.h2d)
+            if event is not None:
+                # The host block may be dropped right after this call; keep it from reuse until
+                # the copy that reads it is done.
+                self.pool.mark_read_by(host, event)
+        with self._lock:
+            if event is not None:
+                self._pending[dev.untyped_storage().data_ptr()] = event
+            self._prefetches += 1
+            self._bytes_h2d += nbytes
+        return dev
+
+    def prefetch_wait(self, dev: torch.Tensor) -> None:
+        """Make the compute stream wait for ``dev``'s H2D copy."""
+        with self._lock:
+            event = self._pending.pop(dev.untyped_storage().data_ptr(), None)
+        self.streams.wait(event)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> TransferStats:
+        with self._lock:
+            return TransferStats(
+                num_evicts=self._evicts,
+                num_prefetches=self._prefetches,
+                bytes_d2h=self._bytes_d2h,
+                bytes_h2d=self._bytes_h2d,
+                pending_copies=len(self._pending),
+                host_pool=self.pool.stats(),
+            )
+
+
+def get_runtime(runtime_id: int) -> TransferRuntime:
+    """The live runtime with this id.
+
+    Raises:
+        RuntimeError: when the compiled code that owned it has been freed.
+    """
+    runtime = _registry.get(runtime_id)
+    if runtime is None:
+        raise RuntimeError(
+            f"trinity transfer runtime {runtime_id} no longer exists: the compiled graph that owned "
+            "it was freed while code using it still ran"
+        )
+    return runtime
