@@ -139,6 +139,16 @@ def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> d
         for kind, ev, g in items:
             if kind == "issue":
                 src = fw_nodes[g.issue_after]  # the group's earliest-defined saved view
+                if g.layout == "span":
+                    # A 1-D view over every member's elements of the shared storage.
+                    with fw_graph.inserting_after(cursor):
+                        cover = fw_graph.call_function(
+                            torch.ops.aten.as_strided.default, (src, [g.span_numel], [1], g.span_offset)
+                        )
+                    with fake_mode:
+                        _set_val(cover, torch.ops.aten.as_strided.default(src.meta["val"], [g.span_numel], [1], g.span_offset))
+                    cover.meta["trinity"] = f"span of buffer {ev.buffer} covering {len(g.saved)} saved views"
+                    cursor = src = cover
                 with fw_graph.inserting_after(cursor):
                     host = fw_graph.call_function(EVICT, (src, runtime_id))
                 with fake_mode:
@@ -164,6 +174,7 @@ def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> d
 
     bw_graph = pair.backward.graph
     dev_of: dict[int, fx.Node] = {}
+    rebuilt: list[fx.Node] = []
     for step in sorted(bw_before):
         local = step - F
         if not (0 <= local < len(bw_nodes)) or bw_nodes[local].op == "placeholder":
@@ -176,7 +187,10 @@ def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> d
                 ph = bw_placeholders[first.bw_node]
                 old = ph.meta["val"]
                 with fake_mode:
-                    host_val = torch.empty_strided(old.size(), old.stride(), dtype=old.dtype, device="cpu")
+                    if g.layout == "span":
+                        host_val = torch.empty((g.span_numel,), dtype=old.dtype, device="cpu")
+                    else:
+                        host_val = torch.empty_strided(old.size(), old.stride(), dtype=old.dtype, device="cpu")
                 _set_val(ph, host_val)
                 ph.meta["trinity"] = "host copy of a saved activation"
                 with bw_graph.inserting_before(anchor):
@@ -186,10 +200,11 @@ def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> d
                 dev.meta["trinity"] = f"prefetch {format_bytes(g.copy_bytes)} of buffer {ev.buffer}"
                 dev_of[id(g)] = dev
                 counts["prefetch"] += 1
-                # Every reader of every placeholder of the group now reads the prefetched tensor.
-                for i in g.saved:
-                    other = bw_placeholders[liveness.saved[i].bw_node]
-                    other.replace_all_uses_with(dev, delete_user_cb=lambda user: user is not dev)
+                if g.layout == "view":
+                    # Every reader of every placeholder of the group now reads the prefetched tensor.
+                    for i in g.saved:
+                        other = bw_placeholders[liveness.saved[i].bw_node]
+                        other.replace_all_uses_with(dev, delete_user_cb=lambda user: user is not dev)
             else:
                 dev = dev_of[id(g)]
                 with bw_graph.inserting_before(anchor):
@@ -197,6 +212,19 @@ def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> d
                 _set_val(w, None)
                 w.meta["trinity"] = "H2D done"
                 counts["prefetch_wait"] += 1
+                if g.layout == "span":
+                    # Rebuild each saved view from the prefetched span, after the wait.
+                    for i in g.saved:
+                        st = liveness.saved[i]
+                        other = bw_placeholders[st.bw_node]
+                        args = (dev, list(st.shape), list(st.stride), st.storage_offset - g.span_offset)
+                        with bw_graph.inserting_before(anchor):
+                            view = bw_graph.call_function(torch.ops.aten.as_strided.default, args)
+                        with fake_mode:
+                            _set_val(view, torch.ops.aten.as_strided.default(dev.meta["val"], *args[1:]))
+                        view.meta["trinity"] = f"saved view {st.fw_node} rebuilt from the prefetched span"
+                        other.replace_all_uses_with(view, delete_user_cb=lambda user: user.target is not PREFETCH)
+                        rebuilt.append(view)
     # Placeholders of a group other than the one prefetched are unused now; give them the same
     # host value so the graph's input signature stays consistent.
     for ev in plan.evictions:
@@ -204,7 +232,7 @@ def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> d
             host_val = bw_placeholders[liveness.saved[g.saved[0]].bw_node].meta["val"]
             for i in g.saved[1:]:
                 _set_val(bw_placeholders[liveness.saved[i].bw_node], host_val)
-    _refresh_aliases(bw_graph, dev_of.values(), fake_mode)
+    _refresh_aliases(bw_graph, list(dev_of.values()) + rebuilt, fake_mode)
     for gm in (pair.forward, pair.backward):
         gm.graph.lint()
         gm.recompile()

@@ -117,6 +117,9 @@ class SavedTensor:
         copy_bytes: bytes a copy of this view moves (first to last element), with hints.
         view_key: (size, stride, storage offset, dtype); equal keys on one buffer are the same
             view and share one host copy.
+        storage_offset: offset of the first element in the storage (elements, with hints).
+        itemsize: bytes per element.
+        static: whether size, stride and offset are plain ints (no symbols).
         evictable: whether it may be moved to host memory; ``reason`` says why not.
     """
 
@@ -134,6 +137,9 @@ class SavedTensor:
     dtype: str
     device: str
     view_key: tuple
+    storage_offset: int
+    itemsize: int
+    static: bool
     evictable: bool
     reason: str
 
@@ -409,6 +415,9 @@ def analyze(pair: GraphPair) -> Liveness:
                 dtype=str(val.dtype).replace("torch.", ""),
                 device=str(val.device),
                 view_key=(shape, stride, hint_int(val.storage_offset()), str(val.dtype)),
+                storage_offset=hint_int(val.storage_offset()),
+                itemsize=itemsize,
+                static=all(isinstance(v, int) for v in (*val.shape, *val.stride(), val.storage_offset())),
                 evictable=not reason,
                 reason=reason,
             )

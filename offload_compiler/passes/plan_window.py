@@ -41,7 +41,17 @@ __all__ = ["CopyGroup", "Eviction", "Plan", "plan", "planned_live_bytes", "copy_
 
 @dataclass(frozen=True)
 class CopyGroup:
-    """Saved tensors of one buffer that are the same view: one host copy serves them all.
+    """Saved tensors of one buffer that one host copy serves.
+
+    Two layouts:
+
+    * ``"view"``: every member is the same view (same size, stride, offset, dtype); the host copy
+      and the prefetched tensor have exactly that layout.
+    * ``"span"``: the members are different views of one storage (``q``, ``k``, ``v`` split from
+      one projection, a tensor and its transpose). One 1-D copy covers the storage elements
+      ``[span_offset, span_offset + span_numel)`` and the backward rebuilds each view from it with
+      ``as_strided``. Used only for static shapes and one dtype, and only when it moves no more
+      bytes than copying the views one by one.
 
     Steps are joint-schedule indices: ``issue_after`` (forward: the D2H copy starts after this
     node), ``wait_before`` (backward: the prefetch wait goes right before this node, the group's
@@ -53,6 +63,9 @@ class CopyGroup:
     issue_after: int
     wait_before: int
     last_use: int
+    layout: str = "view"
+    span_offset: int = 0
+    span_numel: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,23 +137,31 @@ class Plan:
 
 # ---------------------------------------------------------------------------------- helpers
 def _groups(liveness: Liveness, buffer_id: int) -> list[CopyGroup]:
+    """The host copies of one buffer: one per distinct view, or one ``"span"`` copy for all."""
     buf = liveness.buffers[buffer_id]
-    by_key: dict[tuple, list[int]] = {}
-    for i in buf.saved:
-        by_key.setdefault(liveness.saved[i].view_key, []).append(i)
-    out = []
-    for members in by_key.values():
-        sts = [liveness.saved[i] for i in members]
-        out.append(
-            CopyGroup(
-                saved=tuple(members),
-                copy_bytes=sts[0].copy_bytes,
-                issue_after=min(s.def_step for s in sts),
-                wait_before=min(s.first_bw_use for s in sts),
-                last_use=max(s.last_bw_use for s in sts),
-            )
+    members = [liveness.saved[i] for i in buf.saved]
+    by_key: dict[tuple, list] = {}
+    for st in members:
+        by_key.setdefault(st.view_key, []).append(st)
+
+    def group(sts, **layout) -> CopyGroup:
+        return CopyGroup(
+            saved=tuple(s.index for s in sts),
+            copy_bytes=layout.pop("copy_bytes", sts[0].copy_bytes),
+            issue_after=min(s.def_step for s in sts),
+            wait_before=min(s.first_bw_use for s in sts),
+            last_use=max(s.last_bw_use for s in sts),
+            **layout,
         )
-    return out
+
+    per_view = [group(sts) for sts in by_key.values()]
+    if len(by_key) > 1 and all(s.static for s in members) and len({s.dtype for s in members}) == 1:
+        itemsize = members[0].itemsize
+        lo = min(s.storage_offset for s in members)
+        hi = max(s.storage_offset + s.copy_bytes // itemsize for s in members)
+        if (hi - lo) * itemsize <= sum(g.copy_bytes for g in per_view):
+            return [group(members, layout="span", span_offset=lo, span_numel=hi - lo, copy_bytes=(hi - lo) * itemsize)]
+    return per_view
 
 
 def planned_live_bytes(liveness: Liveness, evictions: tuple[Eviction, ...] | list[Eviction]) -> np.ndarray:
