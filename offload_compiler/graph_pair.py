@@ -94,7 +94,14 @@ def hint_int(value) -> int:
     if isinstance(value, int):
         return value
     if isinstance(value, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import hint_int as _hint
-
-        return int(_hint(value))
+        node = value.node
+        for attr in ("hint", "_hint"):
+            hint = getattr(node, attr, None)
+            if hint is not None:
+                return int(hint)
+        try:  # torch >= 2.12
+            from torch.fx.experimental.symbolic_shapes import optimization_hint
+        except ImportError:
+            return int(node.shape_env.size_hint(node.expr))
+        return int(optimization_hint(value))
     return int(value)

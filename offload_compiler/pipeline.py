@@ -4,6 +4,7 @@
 before AOTAutograd does its saved-tensor bookkeeping (see TORCH_NOTES.md). It runs PyTorch's own
 min-cut partitioner (the one Inductor and ``aot_eager`` use), then the passes, in order:
 
+0. ``reorder``       compute nodes early where that frees memory (mutates node order only)
 1. ``liveness``      buffers and live ranges over the joint schedule (analysis)
 2. ``cost_model``    seconds per node and per transfer (analysis)
 3. ``plan_window``   which saved activations to evict and where the copies go (pure function)
@@ -29,7 +30,7 @@ from .devices import DeviceSpec, detect_device_spec
 from .dump import GraphDumper
 from .graph_pair import GraphPair
 from .options import MemoryBudget, TrinityOptions, format_bytes
-from .passes import cost_model, insert_transfers, liveness, plan_window, verify
+from .passes import cost_model, insert_transfers, liveness, plan_window, reorder, verify
 from .report import TrinityReport, next_graph_id, record_report
 from .runtime.transfer import TransferRuntime
 
@@ -73,7 +74,7 @@ def plan_pair(
     """
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    live = liveness.analyze(pair)
+    live = liveness.analyze(pair, assume_fusion=options.inner == "inductor")
     seconds["liveness"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     device = torch.device(live.device)
@@ -155,7 +156,13 @@ class CompileSession:
         dumper = GraphDumper(opts.dump_dir, graph_id) if opts.dump_dir is not None else None
         if dumper:
             dumper.graphs("00_partitioned", forward, backward)
+        t0 = time.perf_counter()
+        moved = reorder.hoist_frees(forward) + reorder.hoist_frees(backward)
+        reorder_seconds = time.perf_counter() - t0
+        if dumper and moved:
+            dumper.graphs("05_reorder", forward, backward)
         live, costs, budget, the_plan, seconds = plan_pair(pair, opts)
+        seconds = {"reorder": reorder_seconds, **seconds}
         if dumper:
             dumper.json("liveness.json", _liveness_json(live, costs))
         fallback = None
@@ -173,13 +180,16 @@ class CompileSession:
             fallback = "budget below the unplanned peak but nothing can be offloaded"
         t0 = time.perf_counter()
         if the_plan.evictions:
-            insert_transfers.apply(pair, live, the_plan, self.runtime.id)
+            insert_transfers.apply(pair, live, the_plan, self.runtime.id, fence_readers=opts.inner == "inductor")
         seconds["insert_transfers"] = time.perf_counter() - t0
         planned_peak = the_plan.peak_bytes_planned
         if opts.verify:
             t0 = time.perf_counter()
             planned_peak = verify.verify(
-                pair, budget if the_plan.feasible else None, expected_peak_bytes=the_plan.peak_bytes_planned
+                pair,
+                budget if the_plan.feasible else None,
+                expected_peak_bytes=the_plan.peak_bytes_planned,
+                assume_fusion=opts.inner == "inductor",
             )
             seconds["verify"] = time.perf_counter() - t0
         if dumper:

@@ -31,8 +31,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph_pair import GraphPair, fake_mode_of, tensor_vals
 from ..options import format_bytes
-from ..runtime.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
-from .liveness import Liveness
+from ..runtime.ops import EVICT, EVICT_WAIT, FENCE, PREFETCH, PREFETCH_WAIT, TRANSFER_OPS
+from .liveness import Liveness, fused_chain_end
 from .plan_window import Plan
 
 __all__ = ["apply"]
@@ -89,7 +89,99 @@ def _refresh_aliases(graph: fx.Graph, new_nodes, fake_mode) -> None:
             fresh.add(n)
 
 
-def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> dict[str, int]:
+def _is_view_node(node: fx.Node) -> bool:
+    outs = {StorageWeakRef(t.untyped_storage()) for t in tensor_vals(node)}
+    ins = {StorageWeakRef(t.untyped_storage()) for m in node.all_input_nodes for t in tensor_vals(m)}
+    return bool(outs) and outs <= ins
+
+
+def _computed_at_or_before(node: fx.Node, fused: set) -> fx.Node | None:
+    """The closest node at or before ``node`` that computes a fresh tensor in this graph (not a
+    placeholder, a view, a trinity op, or a node the inner compiler fuses into its reader, which
+    an extra reader would force to be materialised): an ordering edge for an inserted op.
+    ``None`` when there is none (the start of the graph)."""
+    while node.op != "root":
+        if node.op == "placeholder":
+            return None
+        if (
+            node.op == "call_function"
+            and node.target not in TRANSFER_OPS
+            and node not in fused
+            and isinstance(node.meta.get("val"), torch.Tensor)
+            and not _is_view_node(node)
+        ):
+            return node
+        node = node.prev
+    return None
+
+
+def _fused_nodes(graph: fx.Graph, liveness: Liveness, graph_name: str) -> set:
+    """The nodes of ``graph`` whose buffers liveness marked fused."""
+    by_name = {n.name: n for n in graph.nodes}
+    out = set()
+    for b in liveness.buffers:
+        if b.fused:
+            tag, _, name = b.nodes[0].partition(":")
+            if tag == graph_name and name in by_name:
+                out.add(by_name[name])
+    return out
+
+
+def _after_in_order(a: fx.Node, b: fx.Node) -> bool:
+    """Whether ``a`` comes after ``b`` in their graph."""
+    node = b.next
+    while node.op != "root":
+        if node is a:
+            return True
+        node = node.next
+    return False
+
+
+def _insert_fences(fw_graph: fx.Graph, liveness: Liveness, plan: Plan, host_of: dict) -> int:
+    """Put a ``trinity::fence`` after every forward reader of an evicted buffer (see ops.py), so
+    Inductor orders it before the buffer's waits. A reader fused into its only reader is fenced
+    where the fused chain ends (fencing it directly would make Inductor materialise it)."""
+    by_name = {n.name: n for n in fw_graph.nodes}
+    # Readers the inner compiler fuses into their only reader are read where that chain ends.
+    fused = _fused_nodes(fw_graph, liveness, "forward")
+    count = 0
+    for ev in plan.evictions:
+        buf = liveness.buffers[ev.buffer]
+        aliases = {by_name[x.split(":", 1)[1]] for x in buf.nodes if x.startswith("forward:")}
+        aliases = {a for a in aliases if a.graph is fw_graph and a in by_name.values()}
+        hosts = [host_of[id(g)] for g in ev.groups]
+        skip = set(hosts) | aliases
+        readers = []
+        for a in aliases:
+            for u in a.users:
+                if u in skip or u.op != "call_function" or u.target in TRANSFER_OPS:
+                    continue
+                if u.target is torch.ops.aten.as_strided.default and any(h.args[0] is u for h in hosts):
+                    continue  # the span/view the copy reads
+                end = fused_chain_end(u, fused)
+                if end.op == "call_function" and end.target not in TRANSFER_OPS:
+                    readers.append(end)
+        order = {n: i for i, n in enumerate(fw_graph.nodes)}
+        for r in sorted(set(readers), key=lambda n: order[n]):
+            val = r.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                getitems = [u for u in r.users if isinstance(u.meta.get("val"), torch.Tensor)]
+                if not getitems:
+                    continue
+                r = min(getitems, key=lambda n: order[n])
+            after = max([r] + hosts, key=lambda n: order[n])
+            with fw_graph.inserting_after(after):
+                fence = fw_graph.call_function(FENCE, (hosts, r))
+            _set_val(fence, None)
+            fence.meta["trinity"] = f"reader of evicted buffer {ev.buffer} done before its wait"
+            order = {n: i for i, n in enumerate(fw_graph.nodes)}
+            count += 1
+    return count
+
+
+def apply(
+    pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int, fence_readers: bool = False
+) -> dict[str, int]:
     """Insert the transfer nodes of ``plan`` into ``pair`` (in place) and recompile both graphs.
 
     Args:
@@ -98,6 +190,8 @@ def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> d
         plan: the plan to apply.
         runtime_id: id of the :class:`~offload_compiler.runtime.transfer.TransferRuntime` the ops
             will use.
+        fence_readers: insert ``trinity::fence`` after the forward readers of evicted buffers
+            (for Inductor, which may otherwise inline them past the wait).
 
     Returns:
         Counts of inserted nodes by op (``{"evict": n, ...}``).
@@ -126,6 +220,8 @@ def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> d
             bw_before.setdefault(g.wait_before, []).append(("wait", ev, g))
 
     counts = {"evict": 0, "evict_wait": 0, "prefetch": 0, "prefetch_wait": 0}
+    fw_fused = _fused_nodes(pair.forward.graph, liveness, "forward")
+    bw_fused = _fused_nodes(pair.backward.graph, liveness, "backward")
     host_of: dict[int, fx.Node] = {}  # id(group) -> host node in the forward
     src_of: dict[int, fx.Node] = {}
     fw_graph = pair.forward.graph
@@ -138,16 +234,22 @@ def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> d
         cursor = anchor
         for kind, ev, g in items:
             if kind == "issue":
-                src = fw_nodes[g.issue_after]  # the group's earliest-defined saved view
+                src = fw_nodes[g.issue_after]
+                first = liveness.saved[g.saved[0]]
                 if g.layout == "span":
-                    # A 1-D view over every member's elements of the shared storage.
+                    view_args = ([g.span_numel], [1], g.span_offset)
+                    note = f"span of buffer {ev.buffer} covering {len(g.saved)} saved views"
+                elif g.from_source and not first.same_view_as_source:
+                    view_args = (list(first.shape), list(first.stride), first.storage_offset)
+                    note = f"saved view {first.fw_node} taken from its buffer's first holder"
+                else:
+                    view_args = None
+                if view_args is not None:
                     with fw_graph.inserting_after(cursor):
-                        cover = fw_graph.call_function(
-                            torch.ops.aten.as_strided.default, (src, [g.span_numel], [1], g.span_offset)
-                        )
+                        cover = fw_graph.call_function(torch.ops.aten.as_strided.default, (src, *view_args))
                     with fake_mode:
-                        _set_val(cover, torch.ops.aten.as_strided.default(src.meta["val"], [g.span_numel], [1], g.span_offset))
-                    cover.meta["trinity"] = f"span of buffer {ev.buffer} covering {len(g.saved)} saved views"
+                        _set_val(cover, torch.ops.aten.as_strided.default(src.meta["val"], *view_args))
+                    cover.meta["trinity"] = note
                     cursor = src = cover
                 with fw_graph.inserting_after(cursor):
                     host = fw_graph.call_function(EVICT, (src, runtime_id))
@@ -160,8 +262,9 @@ def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> d
                 cursor = host
             else:
                 host, src = host_of[id(g)], src_of[id(g)]
+                after = _computed_at_or_before(anchor, fw_fused)
                 with fw_graph.inserting_after(cursor):
-                    w = fw_graph.call_function(EVICT_WAIT, (host, src, runtime_id))
+                    w = fw_graph.call_function(EVICT_WAIT, (host, src, runtime_id, after))
                 _set_val(w, None)
                 w.meta["trinity"] = f"D2H done; buffer {ev.buffer} freed after this"
                 counts["evict_wait"] += 1
@@ -171,6 +274,11 @@ def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> d
             for i in g.saved:
                 outputs[liveness.saved[i].fw_output_index] = host_of[id(g)]
     fw_out.args = (tuple(outputs),) + tuple(fw_out.args[1:])
+    # Saved views the host copies replaced (e.g. a late ``detach`` of an evicted activation) are
+    # dead now; left in, they would read the evicted storage after it was freed.
+    fw_graph.eliminate_dead_code()
+    if fence_readers:
+        counts["fence"] = _insert_fences(fw_graph, liveness, plan, host_of)
 
     bw_graph = pair.backward.graph
     dev_of: dict[int, fx.Node] = {}
@@ -193,10 +301,11 @@ def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> d
                         host_val = torch.empty_strided(old.size(), old.stride(), dtype=old.dtype, device="cpu")
                 _set_val(ph, host_val)
                 ph.meta["trinity"] = "host copy of a saved activation"
+                after = _computed_at_or_before(anchor.prev, bw_fused)
                 with bw_graph.inserting_before(anchor):
-                    dev = bw_graph.call_function(PREFETCH, (ph, old.device, runtime_id))
+                    dev = bw_graph.call_function(PREFETCH, (ph, old.device, runtime_id, after))
                 with fake_mode:
-                    _set_val(dev, PREFETCH(host_val, old.device, runtime_id))
+                    _set_val(dev, PREFETCH(host_val, old.device, runtime_id, after.meta["val"] if after else None))
                 dev.meta["trinity"] = f"prefetch {format_bytes(g.copy_bytes)} of buffer {ev.buffer}"
                 dev_of[id(g)] = dev
                 counts["prefetch"] += 1
@@ -207,8 +316,11 @@ def apply(pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int) -> d
                         other.replace_all_uses_with(dev, delete_user_cb=lambda user: user is not dev)
             else:
                 dev = dev_of[id(g)]
+                after = _computed_at_or_before(anchor.prev, bw_fused)
+                if after is not None and not _after_in_order(after, dev):
+                    after = None  # the node before the reader precedes the prefetch itself
                 with bw_graph.inserting_before(anchor):
-                    w = bw_graph.call_function(PREFETCH_WAIT, (dev, runtime_id))
+                    w = bw_graph.call_function(PREFETCH_WAIT, (dev, runtime_id, after))
                 _set_val(w, None)
                 w.meta["trinity"] = "H2D done"
                 counts["prefetch_wait"] += 1

@@ -82,6 +82,10 @@ class Buffer:
         saved: indices into :attr:`Liveness.saved` of the saved tensors that are views of it.
         last_fw_use / first_bw_use: last forward reader and first backward reader (graph outputs
             excluded); ``None`` when there is none.
+        source_step: the earliest forward node holding it as a single tensor (its data is final
+            there: the graphs are functional), from which a copy can start.
+        fused: a temporary the inner compiler is expected to fuse away (never allocated); not
+            counted in live bytes. Only with ``assume_fusion``.
     """
 
     id: int
@@ -97,6 +101,8 @@ class Buffer:
     saved: tuple[int, ...]
     last_fw_use: int | None
     first_bw_use: int | None
+    source_step: int | None = None
+    fused: bool = False
 
     @property
     def idle_gap_steps(self) -> int:
@@ -120,6 +126,8 @@ class SavedTensor:
         storage_offset: offset of the first element in the storage (elements, with hints).
         itemsize: bytes per element.
         static: whether size, stride and offset are plain ints (no symbols).
+        same_view_as_source: whether it is exactly the view held by its buffer's source node
+            (size, stride and offset equal, symbolically).
         evictable: whether it may be moved to host memory; ``reason`` says why not.
     """
 
@@ -140,6 +148,7 @@ class SavedTensor:
     storage_offset: int
     itemsize: int
     static: bool
+    same_view_as_source: bool
     evictable: bool
     reason: str
 
@@ -153,6 +162,7 @@ class Liveness:
     buffers: tuple[Buffer, ...]
     saved: tuple[SavedTensor, ...]
     device: str
+    workspace_bytes: tuple[int, ...] = ()
     step_of: dict = field(repr=False, compare=False, hash=False, default_factory=dict)
 
     @property
@@ -167,10 +177,13 @@ class Liveness:
     def _live_bytes(self) -> np.ndarray:
         diff = np.zeros(self.num_steps + 1, dtype=np.int64)
         for b in self.buffers:
-            if b.on_device and b.size_bytes:
+            if b.on_device and b.size_bytes and not b.fused:
                 diff[b.def_step] += b.size_bytes
                 diff[b.last_step + 1] -= b.size_bytes
-        return np.cumsum(diff[:-1])
+        live = np.cumsum(diff[:-1])
+        if self.workspace_bytes:
+            live += np.asarray(self.workspace_bytes, dtype=np.int64)
+        return live
 
     @property
     def peak_bytes(self) -> int:
@@ -184,8 +197,10 @@ class Liveness:
         """Device bytes live at ``step`` by buffer kind, leaving out buffer ids in ``removed``."""
         out: dict[str, int] = {}
         for b in self.buffers:
-            if b.on_device and b.id not in removed and b.def_step <= step <= b.last_step:
+            if b.on_device and not b.fused and b.id not in removed and b.def_step <= step <= b.last_step:
                 out[b.kind.value] = out.get(b.kind.value, 0) + b.size_bytes
+        if self.workspace_bytes and self.workspace_bytes[step]:
+            out["workspace"] = self.workspace_bytes[step]
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def step_named(self, graph: str, node: str) -> int:
@@ -249,9 +264,79 @@ class _UnionFind:
             self.parent[rb] = ra
 
 
+# Bytes an op allocates and frees inside itself (beyond its outputs), as a multiple of the bytes
+# of one of its tensors: (argument index, or -1 for the first output) -> factor. Measured with
+# torch.profiler's allocator trace on CPU, torch 2.13 (bench/workspace_probe.py reproduces it);
+# on CUDA the same factors serve as an estimate (cuDNN workspaces are of the same order) until a
+# calibration replaces them. Ops not listed are taken to need none (mm, addmm, layer norm, the
+# flash-attention forward, embedding and loss ops measured at ~0).
+_WORKSPACE = {
+    torch.ops.aten.convolution.default: (-1, 1.0),
+    torch.ops.aten.convolution_backward.default: (0, 2.0),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (0, 1.0),
+    torch.ops.aten.native_batch_norm_backward.default: (0, 1.0),
+}
+
+
+def _workspace(node: fx.Node) -> int:
+    """Transient bytes of ``node`` from :data:`_WORKSPACE` (0 for ops not listed)."""
+    if node.op != "call_function" or node.target not in _WORKSPACE:
+        return 0
+    which, factor = _WORKSPACE[node.target]
+    if which < 0:
+        vals = tensor_vals(node)
+        t = vals[0] if vals else None
+    else:
+        arg = node.args[which] if which < len(node.args) else None
+        t = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    if not isinstance(t, torch.Tensor):
+        return 0
+    nbytes = span_bytes(tuple(hint_int(x) for x in t.shape), tuple(hint_int(x) for x in t.stride()), t.element_size())
+    return int(factor * nbytes)
+
+
+def _view_exprs(t: torch.Tensor) -> tuple:
+    """(sizes, strides, offset, dtype) with symbols as sympy expressions, for exact comparison."""
+
+    def ex(v):
+        return v.node.expr if isinstance(v, torch.SymInt) else int(v)
+
+    return (tuple(ex(v) for v in t.shape), tuple(ex(v) for v in t.stride()), ex(t.storage_offset()), t.dtype)
+
+
 def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors liveness can account: plain, strided (not subclasses, not sparse)."""
     return [t for t in tensors if not is_traceable_wrapper_subclass(t) and t.layout == torch.strided]
+
+
+def _alias_reader_steps(root: fx.Node, node_keys: dict, node_step: dict, reader_step) -> tuple[int, int] | None:
+    """(first, last) step at which ``root`` or a view taken from it (transitively) is read: the
+    first reader's own step (the data must be ready there) and the last step a reader's kernel
+    runs (the end of its fused chain). ``None`` when nothing reads it."""
+    first = last = None
+    frontier = [root]
+    seen = {root}
+    while frontier:
+        node = frontier.pop()
+        keys = set(node_keys.get(node, ()))
+        for user in node.users:
+            if user.op == "output":
+                continue
+            s, e = node_step[user], reader_step(user)
+            first = s if first is None else min(first, s)
+            last = e if last is None else max(last, e)
+            if user not in seen and keys & set(node_keys.get(user, ())):
+                seen.add(user)
+                frontier.append(user)
+    return None if first is None else (first, last)
+
+
+def fused_chain_end(node: fx.Node, fused_nodes: set) -> fx.Node:
+    """The node whose kernel computes ``node``: ``node`` itself, or, for a node fused into its
+    only reader, the end of that chain."""
+    while node in fused_nodes:
+        (node,) = node.users
+    return node
 
 
 def _is_host_placeholder(node: fx.Node) -> bool:
@@ -260,8 +345,25 @@ def _is_host_placeholder(node: fx.Node) -> bool:
     )
 
 
-def analyze(pair: GraphPair) -> Liveness:
+def _fusible(node: fx.Node) -> bool:
+    """A pointwise op whose only reader is a pointwise op or a reduction: Inductor computes it
+    inside the reader's kernel and never allocates it."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.pointwise not in node.target.tags or len(node.users) != 1:
+        return False
+    (user,) = node.users
+    if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+        return False
+    return torch.Tag.pointwise in user.target.tags or torch.Tag.reduction in user.target.tags
+
+
+def analyze(pair: GraphPair, assume_fusion: bool = False) -> Liveness:
     """Buffers, live ranges and saved tensors of ``pair`` over the joint schedule.
+
+    With ``assume_fusion`` (the inner compiler is Inductor), a temporary made by a pointwise op
+    whose only reader is pointwise or a reduction is taken to be fused away (see
+    :attr:`Buffer.fused`).
 
     Raises:
         ValueError: if a node's ``meta["val"]`` is missing where a tensor is expected (the graph
@@ -354,17 +456,57 @@ def analyze(pair: GraphPair) -> Liveness:
         if n not in saved_placeholders:
             mark(n, BufferKind.TANGENT)
 
+    # Views that exist only to be saved (the partitioner's late ``detach`` of an activation): their
+    # reads are not forward uses for eviction planning; the rewrite replaces and removes them.
+    save_only: set[fx.Node] = set()
+    for n in reversed(fw_nodes):
+        if n.op != "call_function" or not n.users or not node_keys.get(n):
+            continue
+        in_keys = {k for m in n.all_input_nodes for k in node_keys.get(m, ())}
+        if set(node_keys[n]) <= in_keys and all(u.op == "output" or u in save_only for u in n.users):
+            save_only.add(n)
+
+    # With fusion, a pointwise node whose only reader is pointwise or a reduction is computed
+    # inside that reader's kernel: it is never allocated, and what it reads is read where the
+    # chain of such nodes ends.
+    fused_nodes: set[fx.Node] = set()
+    if assume_fusion:
+        holders: dict = {}
+        for n in fw_nodes + bw_nodes:
+            for k in node_keys[n]:
+                holders.setdefault(uf.find(k), set()).add(n)
+        for n in fw_nodes + bw_nodes:
+            keys = node_keys.get(n)
+            if (
+                keys
+                and len(keys) == 1
+                and kind_of.get(uf.find(keys[0]), BufferKind.TEMPORARY) is BufferKind.TEMPORARY
+                and holders[uf.find(keys[0])] == {n}
+                and _fusible(n)
+            ):
+                fused_nodes.add(n)
+
+    def reader_step(n: fx.Node) -> int:
+        return node_step[fused_chain_end(n, fused_nodes)]
+
     # Definitions and uses.
     roots: dict = {}
     for n in fw_nodes + bw_nodes:
         s = node_step[n]
         for k in node_keys[n]:
             r = uf.find(k)
-            info = roots.setdefault(r, {"def": s, "uses": [], "nodes": [], "fw_uses": [], "bw_uses": []})
+            info = roots.setdefault(
+                r, {"def": s, "uses": [], "nodes": [], "fw_uses": [], "bw_uses": [], "source": None, "source_any": n}
+            )
             info["def"] = min(info["def"], s)
+            if info["source"] is None and s < num_fw and isinstance(n.meta.get("val"), torch.Tensor):
+                info["source"] = n
             info["nodes"].append(("forward:" if s < num_fw else "backward:") + n.name)
         if n.op == "placeholder":
             continue
+        # Data must be ready before the node itself (its place in the graph); it is read, and so
+        # stays live, up to where the node's kernel runs (the end of its fused chain).
+        read_first, read_last = s, reader_step(n)
         seen_roots = set()
         for m in n.all_input_nodes:
             for k in node_keys.get(m, ()):
@@ -373,9 +515,12 @@ def analyze(pair: GraphPair) -> Liveness:
                     continue
                 seen_roots.add(r)
                 info = roots[r]
-                info["uses"].append(s)
-                if n.op != "output":
-                    (info["fw_uses"] if s < num_fw else info["bw_uses"]).append(s)
+                info["uses"].append(read_last)
+                if n.op != "output" and n not in save_only:
+                    if s < num_fw:
+                        info["fw_uses"].append(read_last)
+                    else:
+                        info["bw_uses"].append(read_first)
 
     root_id = {r: i for i, r in enumerate(roots)}
     saved_of_root: dict = {}
@@ -395,7 +540,9 @@ def analyze(pair: GraphPair) -> Liveness:
             reason = "no backward reader"
         if not reason and val.device != device:
             reason = f"on {val.device}, not the compute device {device}"
-        bw_use_steps = sorted(node_step[u] for u in ph.users) if ph is not None and ph.users else []
+        bw_reads = _alias_reader_steps(ph, node_keys, node_step, reader_step) if ph is not None else None
+        source = roots[root]["source"] if root is not None and root in roots else None
+        same_view = source is not None and _view_exprs(source.meta["val"]) == _view_exprs(val)
         shape = tuple(hint_int(s) for s in val.shape)
         stride = tuple(hint_int(s) for s in val.stride())
         itemsize = val.element_size()
@@ -407,8 +554,8 @@ def analyze(pair: GraphPair) -> Liveness:
                 bw_node=ph.name if ph is not None else None,
                 buffer=root_id[root] if root is not None else -1,
                 def_step=node_step[link.fw_node],
-                first_bw_use=bw_use_steps[0] if bw_use_steps else None,
-                last_bw_use=bw_use_steps[-1] if bw_use_steps else None,
+                first_bw_use=bw_reads[0] if bw_reads else None,
+                last_bw_use=bw_reads[1] if bw_reads else None,
                 copy_bytes=span_bytes(shape, stride, itemsize),
                 shape=shape,
                 stride=stride,
@@ -418,6 +565,7 @@ def analyze(pair: GraphPair) -> Liveness:
                 storage_offset=hint_int(val.storage_offset()),
                 itemsize=itemsize,
                 static=all(isinstance(v, int) for v in (*val.shape, *val.stride(), val.storage_offset())),
+                same_view_as_source=same_view,
                 evictable=not reason,
                 reason=reason,
             )
@@ -436,6 +584,7 @@ def analyze(pair: GraphPair) -> Liveness:
             end = last
         tdev = t.device if t is not None else device
         on_device = kind is not BufferKind.HOST and (tdev == device or device.type == "cpu")
+        fused = info["source_any"] in fused_nodes
         buffers.append(
             Buffer(
                 id=root_id[r],
@@ -453,6 +602,8 @@ def analyze(pair: GraphPair) -> Liveness:
                     max(info["fw_uses"]) if info["fw_uses"] else (info["def"] if info["def"] < num_fw else None)
                 ),
                 first_bw_use=min(info["bw_uses"]) if info["bw_uses"] else None,
+                source_step=node_step[info["source"]] if info["source"] is not None else None,
+                fused=fused,
             )
         )
     return Liveness(
@@ -461,5 +612,6 @@ def analyze(pair: GraphPair) -> Liveness:
         buffers=tuple(buffers),
         saved=tuple(saved),
         device=str(device),
+        workspace_bytes=tuple(_workspace(n) for n in fw_nodes + bw_nodes),
         step_of=step_of,
     )

@@ -53,9 +53,13 @@ class CopyGroup:
       ``as_strided``. Used only for static shapes and one dtype, and only when it moves no more
       bytes than copying the views one by one.
 
-    Steps are joint-schedule indices: ``issue_after`` (forward: the D2H copy starts after this
-    node), ``wait_before`` (backward: the prefetch wait goes right before this node, the group's
-    first reader) and ``last_use`` (backward: its last reader).
+    Steps are joint-schedule indices: ``issue_after`` (forward: the D2H copy reads the tensor of
+    this node and starts right after it), ``wait_before`` (backward: the prefetch wait goes right
+    before this node, the group's first reader) and ``last_use`` (backward: its last reader).
+    ``from_source``: the node at ``issue_after`` is the buffer's first forward holder rather than
+    a member, and the copied view is taken from it with ``as_strided`` (needs static shapes) unless
+    it is already the same view. Copying from the first holder starts the copy as soon as the data
+    exists, even when the partitioner defines the saved view itself (a ``detach``) much later.
     """
 
     saved: tuple[int, ...]
@@ -66,6 +70,7 @@ class CopyGroup:
     layout: str = "view"
     span_offset: int = 0
     span_numel: int = 0
+    from_source: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,15 +148,23 @@ def _groups(liveness: Liveness, buffer_id: int) -> list[CopyGroup]:
     by_key: dict[tuple, list] = {}
     for st in members:
         by_key.setdefault(st.view_key, []).append(st)
+    source = buf.source_step
 
-    def group(sts, **layout) -> CopyGroup:
+    def group(sts, layout="view", **extra) -> CopyGroup:
+        own = min(s.def_step for s in sts)
+        # Start from the buffer's first holder when the view can be taken from it exactly.
+        movable = source is not None and source < own
+        if layout == "view":
+            movable = movable and (all(s.static for s in sts) or all(s.same_view_as_source for s in sts))
         return CopyGroup(
             saved=tuple(s.index for s in sts),
-            copy_bytes=layout.pop("copy_bytes", sts[0].copy_bytes),
-            issue_after=min(s.def_step for s in sts),
+            copy_bytes=extra.pop("copy_bytes", sts[0].copy_bytes),
+            issue_after=source if movable else own,
             wait_before=min(s.first_bw_use for s in sts),
             last_use=max(s.last_bw_use for s in sts),
-            **layout,
+            layout=layout,
+            from_source=movable,
+            **extra,
         )
 
     per_view = [group(sts) for sts in by_key.values()]
@@ -160,7 +173,7 @@ def _groups(liveness: Liveness, buffer_id: int) -> list[CopyGroup]:
         lo = min(s.storage_offset for s in members)
         hi = max(s.storage_offset + s.copy_bytes // itemsize for s in members)
         if (hi - lo) * itemsize <= sum(g.copy_bytes for g in per_view):
-            return [group(members, layout="span", span_offset=lo, span_numel=hi - lo, copy_bytes=(hi - lo) * itemsize)]
+            return [group(members, "span", span_offset=lo, span_numel=hi - lo, copy_bytes=(hi - lo) * itemsize)]
     return per_view
 
 
@@ -412,7 +425,7 @@ def _breakdown(liveness: Liveness, evictions, step: int) -> dict[str, int]:
     out: dict[str, int] = {}
     by_buffer = {e.buffer: e for e in evictions}
     for b in liveness.buffers:
-        if not b.on_device or not (b.def_step <= step <= b.last_step):
+        if not b.on_device or b.fused or not (b.def_step <= step <= b.last_step):
             continue
         ev = by_buffer.get(b.id)
         if ev is not None and step > ev.wait_after:
@@ -422,6 +435,8 @@ def _breakdown(liveness: Liveness, evictions, step: int) -> dict[str, int]:
         for g in ev.groups:
             if ev.prefetch_before <= step <= g.last_use:
                 out["prefetched saved activation"] = out.get("prefetched saved activation", 0) + g.copy_bytes
+    if liveness.workspace_bytes and liveness.workspace_bytes[step]:
+        out["op workspace"] = liveness.workspace_bytes[step]
     return dict(sorted(((k, v) for k, v in out.items() if v), key=lambda kv: -kv[1]))
 
 

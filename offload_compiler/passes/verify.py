@@ -108,14 +108,16 @@ def _check_backward(bw: fx.GraphModule) -> list[str]:
     return errors
 
 
-def verify(pair: GraphPair, budget_bytes: int | None, expected_peak_bytes: int | None = None) -> int:
+def verify(
+    pair: GraphPair, budget_bytes: int | None, expected_peak_bytes: int | None = None, assume_fusion: bool = False
+) -> int:
     """Check the rewritten ``pair`` (see module docstring) and return its re-measured peak (bytes).
 
     Raises:
         VerificationError: listing every broken invariant.
     """
     errors = _check_forward(pair.forward, pair.fw_outputs()) + _check_backward(pair.backward)
-    live = liveness_pass.analyze(pair)
+    live = liveness_pass.analyze(pair, assume_fusion=assume_fusion)
     peak = live.peak_bytes
     if budget_bytes is not None and peak > budget_bytes:
         step = live.steps[live.peak_step]
