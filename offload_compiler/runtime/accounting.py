@@ -13,6 +13,7 @@ host pool are host memory and are left out, so an evicted activation really disa
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,9 @@ def measure_peak_device_bytes(
             result=result,
         )
 
+    # Kineto prints a line at every profiler start and stop unless told otherwise; it reads this
+    # once, when the profiler first starts. A value the user set is left alone.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
