@@ -46,14 +46,24 @@ def main() -> None:
     a = torch.randn(2048, 256)
     m = torch.randn(256, 256)
     probes = {
-        "convolution (x output)": (lambda: aten.convolution.default(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), x),
-        "convolution_backward (x grad_output)": (
-            lambda: aten.convolution_backward.default(x, x, w, [16], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True] * 3),
+        "convolution (x output)": (
+            lambda: aten.convolution.default(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
             x,
         ),
-        "sdpa flash cpu forward (x q)": (lambda: aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q, 0.0, True), q),
+        "convolution_backward (x grad_output)": (
+            lambda: aten.convolution_backward.default(
+                x, x, w, [16], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True] * 3
+            ),
+            x,
+        ),
+        "sdpa flash cpu forward (x q)": (
+            lambda: aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q, 0.0, True),
+            q,
+        ),
         "sdpa flash cpu backward (x grad_out)": (
-            lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward.default(out, q, q, q, out, lse, 0.0, True),
+            lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+                out, q, q, q, out, lse, 0.0, True
+            ),
             q,
         ),
         "native_batch_norm_backward (x grad_out)": (

@@ -12,8 +12,8 @@ this package gives the reports and the tools::
 
 from .options import MemoryBudget, TrinityOptions, format_bytes, parse_size
 from .report import TrinityReport, last_report, reports
-from .runtime.accounting import MemoryMeasurement, measure_peak_device_bytes
 from .runtime import ops as _ops  # noqa: F401  (registers the trinity::* custom ops)
+from .runtime.accounting import MemoryMeasurement, measure_peak_device_bytes
 
 __version__ = "0.1.0"
 

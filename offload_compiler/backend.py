@@ -111,8 +111,7 @@ def trinity(
     else:
         if mode not in (None, "default"):
             raise ValueError(
-                f"trinity backend: mode={mode!r} applies to Inductor only; with options inner='eager' "
-                "leave mode unset"
+                f"trinity backend: mode={mode!r} applies to Inductor only; with options inner='eager' leave mode unset"
             )
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop

@@ -131,7 +131,9 @@ def _train(model, compiled, batches, steps, device, progress, task, label) -> Ru
         # measuring against what is allocated before the call.
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated(device)
-        state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+        state = sum(
+            t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)
+        )
         m = measure_peak_device_bytes(fwd_bwd, device=device)
         peak = m.peak_bytes - state if base >= state else m.peak_bytes
     else:
@@ -146,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     runs' losses disagree beyond the tolerance, or trinity's peak exceeds its budget)."""
     parser = argparse.ArgumentParser(prog="python -m offload_compiler demo", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
-    parser.add_argument("--inner", choices=["inductor", "eager"], default="inductor", help="inner compiler (default inductor)")
+    parser.add_argument(
+        "--inner", choices=["inductor", "eager"], default="inductor", help="inner compiler (default inductor)"
+    )
     parser.add_argument("--budget", default="50%", help="trinity memory_budget (default 50%%)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dump-dir", default="trinity_dumps", help="where trinity writes its dumps")
@@ -184,14 +188,26 @@ def main(argv: list[str] | None = None) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("reference", total=args.steps)
         ref = _train(
-            ref_model, torch.compile(ref_model, backend=reference_backend), batches, args.steps, device,
-            progress, task, "reference",
+            ref_model,
+            torch.compile(ref_model, backend=reference_backend),
+            batches,
+            args.steps,
+            device,
+            progress,
+            task,
+            "reference",
         )
         task = progress.add_task("trinity", total=args.steps)
         options = {"memory_budget": args.budget, "inner": args.inner, "dump_dir": args.dump_dir}
         tri = _train(
-            tri_model, torch.compile(tri_model, backend="trinity", options=options), batches, args.steps, device,
-            progress, task, "trinity",
+            tri_model,
+            torch.compile(tri_model, backend="trinity", options=options),
+            batches,
+            args.steps,
+            device,
+            progress,
+            task,
+            "trinity",
         )
     new_reports = reports()[before:]
 
@@ -210,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     for col in ("", "reference", "trinity", "trinity / reference"):
         summary.add_column(col, justify="right")
     summary.add_row(
-        "peak device memory", format_bytes(ref.peak_bytes), format_bytes(tri.peak_bytes), f"{tri.peak_bytes / ref.peak_bytes:.2f}"
+        "peak device memory",
+        format_bytes(ref.peak_bytes),
+        format_bytes(tri.peak_bytes),
+        f"{tri.peak_bytes / ref.peak_bytes:.2f}",
     )
     ref_t, tri_t = statistics.median(ref.step_seconds), statistics.median(tri.step_seconds)
     summary.add_row("median step time", f"{ref_t * 1e3:.1f} ms", f"{tri_t * 1e3:.1f} ms", f"{tri_t / ref_t:.2f}")

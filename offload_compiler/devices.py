@@ -14,6 +14,7 @@ reach roughly half of that; trinity's pool is pinned on CUDA, so plans use the p
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -80,80 +81,141 @@ KNOWN_DEVICES: dict[str, DeviceSpec] = {
     # NVIDIA Tesla V100 datasheet (SXM2): FP32 15.7 TFLOPS, tensor (FP16) 125 TFLOPS, HBM2 900 GB/s,
     # 32 GB. No TF32/BF16 support: FP32 matmuls run at the FP32 rate.
     "v100-32gb": DeviceSpec(
-        "NVIDIA V100 32GB", 15.7 * TFLOPS, 15.7 * TFLOPS, 125 * TFLOPS, 900 * GB, 32 * GiB,
-        **_pcie(3), source="NVIDIA V100 datasheet (SXM2)",
+        "NVIDIA V100 32GB",
+        15.7 * TFLOPS,
+        15.7 * TFLOPS,
+        125 * TFLOPS,
+        900 * GB,
+        32 * GiB,
+        **_pcie(3),
+        source="NVIDIA V100 datasheet (SXM2)",
     ),
     # NVIDIA A100 datasheet: FP32 19.5, TF32 156, BF16 312 TFLOPS (dense); 40GB HBM2 1,555 GB/s.
     "a100-40gb": DeviceSpec(
-        "NVIDIA A100 40GB", 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 1555 * GB, 40 * GiB,
-        **_pcie(4), source="NVIDIA A100 datasheet (SXM4 40GB)",
+        "NVIDIA A100 40GB",
+        19.5 * TFLOPS,
+        156 * TFLOPS,
+        312 * TFLOPS,
+        1555 * GB,
+        40 * GiB,
+        **_pcie(4),
+        source="NVIDIA A100 datasheet (SXM4 40GB)",
     ),
     # Same datasheet: 80GB HBM2e 2,039 GB/s (SXM).
     "a100-80gb": DeviceSpec(
-        "NVIDIA A100 80GB", 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 2039 * GB, 80 * GiB,
-        **_pcie(4), source="NVIDIA A100 datasheet (SXM4 80GB)",
+        "NVIDIA A100 80GB",
+        19.5 * TFLOPS,
+        156 * TFLOPS,
+        312 * TFLOPS,
+        2039 * GB,
+        80 * GiB,
+        **_pcie(4),
+        source="NVIDIA A100 datasheet (SXM4 80GB)",
     ),
     # NVIDIA H100 datasheet (SXM5): FP32 67, TF32 494.5, BF16 989.5 TFLOPS dense; HBM3 3.35 TB/s; 80GB.
     "h100-sxm": DeviceSpec(
-        "NVIDIA H100 SXM", 67 * TFLOPS, 494.5 * TFLOPS, 989.5 * TFLOPS, 3350 * GB, 80 * GiB,
-        **_pcie(5), source="NVIDIA H100 datasheet (SXM5)",
+        "NVIDIA H100 SXM",
+        67 * TFLOPS,
+        494.5 * TFLOPS,
+        989.5 * TFLOPS,
+        3350 * GB,
+        80 * GiB,
+        **_pcie(5),
+        source="NVIDIA H100 datasheet (SXM5)",
     ),
     # Same datasheet (PCIe): FP32 51, TF32 378, BF16 756 TFLOPS dense; HBM2e 2.0 TB/s; 80GB.
     "h100-pcie": DeviceSpec(
-        "NVIDIA H100 PCIe", 51 * TFLOPS, 378 * TFLOPS, 756 * TFLOPS, 2000 * GB, 80 * GiB,
-        **_pcie(5), source="NVIDIA H100 datasheet (PCIe)",
+        "NVIDIA H100 PCIe",
+        51 * TFLOPS,
+        378 * TFLOPS,
+        756 * TFLOPS,
+        2000 * GB,
+        80 * GiB,
+        **_pcie(5),
+        source="NVIDIA H100 datasheet (PCIe)",
     ),
     # NVIDIA H200 datasheet (SXM): compute as H100 SXM; HBM3e 4.8 TB/s; 141 GB.
     "h200": DeviceSpec(
-        "NVIDIA H200", 67 * TFLOPS, 494.5 * TFLOPS, 989.5 * TFLOPS, 4800 * GB, 141 * GB,
-        **_pcie(5), source="NVIDIA H200 datasheet (SXM)",
+        "NVIDIA H200",
+        67 * TFLOPS,
+        494.5 * TFLOPS,
+        989.5 * TFLOPS,
+        4800 * GB,
+        141 * GB,
+        **_pcie(5),
+        source="NVIDIA H200 datasheet (SXM)",
     ),
     # NVIDIA L4 datasheet: FP32 30.3, TF32 60, BF16 121 TFLOPS dense; GDDR6 300 GB/s; 24GB.
     "l4": DeviceSpec(
-        "NVIDIA L4", 30.3 * TFLOPS, 60 * TFLOPS, 121 * TFLOPS, 300 * GB, 24 * GiB,
-        **_pcie(4), source="NVIDIA L4 datasheet",
+        "NVIDIA L4",
+        30.3 * TFLOPS,
+        60 * TFLOPS,
+        121 * TFLOPS,
+        300 * GB,
+        24 * GiB,
+        **_pcie(4),
+        source="NVIDIA L4 datasheet",
     ),
     # NVIDIA A10 datasheet (A10G is AWS's variant with the same memory system): FP32 31.2,
     # TF32 62.5, BF16 125 TFLOPS dense; GDDR6 600 GB/s; 24GB.
     "a10g": DeviceSpec(
-        "NVIDIA A10G", 31.2 * TFLOPS, 62.5 * TFLOPS, 125 * TFLOPS, 600 * GB, 24 * GiB,
-        **_pcie(4), source="NVIDIA A10 datasheet",
+        "NVIDIA A10G",
+        31.2 * TFLOPS,
+        62.5 * TFLOPS,
+        125 * TFLOPS,
+        600 * GB,
+        24 * GiB,
+        **_pcie(4),
+        source="NVIDIA A10 datasheet",
     ),
     # NVIDIA Ada (AD102) whitepaper, GeForce RTX 4090: FP32 82.6 TFLOPS; TF32 82.6 and
     # BF16 165.2 TFLOPS dense with FP32 accumulate; GDDR6X 1,008 GB/s; 24GB.
     "rtx4090": DeviceSpec(
-        "NVIDIA GeForce RTX 4090", 82.6 * TFLOPS, 82.6 * TFLOPS, 165.2 * TFLOPS, 1008 * GB, 24 * GiB,
-        **_pcie(4), source="NVIDIA Ada Lovelace architecture whitepaper",
+        "NVIDIA GeForce RTX 4090",
+        82.6 * TFLOPS,
+        82.6 * TFLOPS,
+        165.2 * TFLOPS,
+        1008 * GB,
+        24 * GiB,
+        **_pcie(4),
+        source="NVIDIA Ada Lovelace architecture whitepaper",
     ),
     # The CPU itself as the "device" (runs without a GPU). Nominal figures for a small x86 server
     # core pair: order-of-magnitude values, not a datasheet; copies are memcpy within host memory.
     # Override with the device options, or measure them (issue: calibrate).
     "cpu": DeviceSpec(
-        "CPU (host as device)", 50e9, 50e9, 50e9, 10 * GB, 16 * GiB, 5 * GB, 5 * GB,
-        launch_overhead_s=2e-6, source="nominal figures for a small CPU; not measured",
+        "CPU (host as device)",
+        50e9,
+        50e9,
+        50e9,
+        10 * GB,
+        16 * GiB,
+        5 * GB,
+        5 * GB,
+        launch_overhead_s=2e-6,
+        source="nominal figures for a small CPU; not measured",
     ),
 }
 
-# Substrings of names as pynvml / torch report them, mapped to table keys (first match wins).
+# Patterns for names as pynvml / torch report them (``"NVIDIA H100 80GB HBM3"``,
+# ``"NVIDIA A100-SXM4-40GB"``), first match wins. Whole words only: an L40S is not an L4 and an
+# RTX A1000 is not an A10G; such GPUs are unknown and get the fallback with a warning.
 _NAME_PATTERNS = [
-    ("h200", "h200"),
-    ("h100 pcie", "h100-pcie"),
-    ("h100", "h100-sxm"),
-    ("a100-sxm4-40gb", "a100-40gb"),
-    ("a100-pcie-40gb", "a100-40gb"),
-    ("a100 40gb", "a100-40gb"),
-    ("a100", "a100-80gb"),
-    ("v100", "v100-32gb"),
-    ("a10g", "a10g"),
-    ("a10", "a10g"),
-    ("l4", "l4"),
-    ("4090", "rtx4090"),
+    (r"\bh200\b", "h200"),
+    (r"\bh100\b.*\bpcie\b", "h100-pcie"),
+    (r"\bh100\b", "h100-sxm"),
+    (r"\ba100\b.*\b40\s*gb\b", "a100-40gb"),
+    (r"\ba100\b", "a100-80gb"),
+    (r"\bv100\b", "v100-32gb"),
+    (r"\ba10g?\b", "a10g"),
+    (r"\bl4\b", "l4"),
+    (r"\b(rtx\s*)?4090\b", "rtx4090"),
 ]
 
 
 def lookup_device(name: str) -> DeviceSpec:
     """The table entry for ``name`` (a key of :data:`KNOWN_DEVICES` or a device name as reported
-    by pynvml/torch, matched by substring).
+    by pynvml/torch, matched by whole words).
 
     Raises:
         ValueError: naming ``name`` and listing the known keys when nothing matches.
@@ -161,8 +223,9 @@ def lookup_device(name: str) -> DeviceSpec:
     key = name.strip().lower()
     if key in KNOWN_DEVICES:
         return KNOWN_DEVICES[key]
+    words = re.sub(r"[-_/]", " ", key)
     for pattern, table_key in _NAME_PATTERNS:
-        if pattern in key:
+        if re.search(pattern, words):
             return KNOWN_DEVICES[table_key]
     raise ValueError(f"unknown device {name!r}; known: {', '.join(sorted(KNOWN_DEVICES))}")
 

@@ -9,9 +9,11 @@ default). Every value is validated eagerly: an unknown key, a wrong type or a ma
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import math
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,16 +75,17 @@ def parse_size(key: str, value: Any) -> int:
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0 or value != int(value):
             raise ValueError(
-                f"trinity option {key!r}: got {value!r}; expected a whole, non-negative number "
-                f"of bytes or {_SIZE_HELP}"
+                f"trinity option {key!r}: got {value!r}; expected a whole, non-negative number of bytes or {_SIZE_HELP}"
             )
         return int(value)
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
             number = float(m.group(1))
-            result = number * _UNITS[m.group(2).lower()]
-            if math.isfinite(result):
+            unit = m.group(2).lower()
+            result = number * _UNITS[unit]
+            # A bare byte count must be whole; with a larger unit the result is rounded to bytes.
+            if math.isfinite(result) and (unit not in ("", "b") or result == int(result)):
                 return int(round(result))
     raise ValueError(f"trinity option {key!r}: got {value!r}; expected {_SIZE_HELP}")
 
@@ -135,23 +138,33 @@ class MemoryBudget:
                 return MemoryBudget("none")
             if text.endswith("%"):
                 try:
-                    pct = float(text[:-1])
-                except ValueError:
-                    pct = float("nan")
-                if not (math.isfinite(pct) and 0 < pct <= 100):
+                    with decimal.localcontext(decimal.Context(prec=100)):
+                        pct = decimal.Decimal(text[:-1].strip())
+                        fraction = float(pct / 100)
+                    ok = pct.is_finite() and 0 < pct <= 100
+                except (decimal.InvalidOperation, ValueError):
+                    ok = False
+                if not ok:
                     raise ValueError(
                         f"trinity option {key!r}: got {value!r}; a percentage must be in (0%, 100%] "
                         "(a fraction of the graph's own peak without offloading)"
                     )
-                return MemoryBudget("fraction", pct / 100.0)
+                return MemoryBudget("fraction", fraction)
         try:
             return MemoryBudget("bytes", float(parse_size(key, value)))
-        except ValueError:
+        except (ValueError, OverflowError):
             raise ValueError(
                 f"trinity option {key!r}: got {value!r}; expected {_SIZE_HELP}, a percentage "
                 "such as '50%' of the graph's own peak, 'auto' (free device memory less a reserve) "
                 "or None (no limit)"
             ) from None
+
+    def percent_text(self) -> str:
+        """The fraction as a percentage string that :meth:`parse` turns back into exactly
+        ``self.value`` (the float's exact decimal expansion, times 100)."""
+        with decimal.localcontext(decimal.Context(prec=100)):
+            text = format((decimal.Decimal(self.value) * 100).normalize(), "f")
+        return text + "%"
 
     def describe(self) -> str:
         if self.kind == "bytes":
@@ -227,11 +240,18 @@ class TrinityOptions:
             return options
         if not isinstance(options, Mapping):
             raise ValueError(
-                f"trinity options must be a dict of option name to value; got {type(options).__name__} "
-                f"{options!r}"
+                f"trinity options must be a dict of option name to value; got {type(options).__name__} {options!r}"
             )
         env = os.environ if env is None else env
         allowed = sorted(f.name for f in dataclasses.fields(cls))
+        known_env = {ENV_PREFIX + name.upper() for name in allowed}
+        for env_key in env:
+            if env_key.startswith(ENV_PREFIX) and env_key not in known_env:
+                warnings.warn(
+                    f"environment variable {env_key} is not a trinity option and is ignored; known: "
+                    + ", ".join(sorted(known_env)),
+                    stacklevel=2,
+                )
         values: dict[str, Any] = {}
         for name in allowed:
             env_key = ENV_PREFIX + name.upper()
@@ -240,8 +260,7 @@ class TrinityOptions:
         for key, value in options.items():
             if not isinstance(key, str) or key not in allowed:
                 raise ValueError(
-                    f"trinity option {key!r} is unknown (value {value!r}); allowed options: "
-                    + ", ".join(allowed)
+                    f"trinity option {key!r} is unknown (value {value!r}); allowed options: " + ", ".join(allowed)
                 )
             values[key] = (value, key)
         kwargs = {name: _validate(name, value, where) for name, (value, where) in values.items()}
@@ -253,9 +272,11 @@ class TrinityOptions:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, MemoryBudget):
-                v = {"bytes": int(v.value), "fraction": f"{v.value * 100:g}%", "auto": "auto", "none": None}[
-                    v.kind
-                ]
+                v = (
+                    {"bytes": int(v.value), "auto": "auto", "none": None}.get(v.kind)
+                    if v.kind != "fraction"
+                    else (v.percent_text())
+                )
             elif isinstance(v, Path):
                 v = str(v)
             elif f.name == "inductor_config":
@@ -319,15 +340,12 @@ def _validate(name: str, value: Any, where: str) -> Any:
     if name in ("peak_flops", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s"):
         if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value_f = float(value)
-            except ValueError:
-                raise bad("a positive number (FLOP/s or bytes/s), e.g. 1e12") from None
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError
             value_f = float(value)
-        else:
-            raise bad("a positive number (FLOP/s or bytes/s), e.g. 1e12")
+        except (ValueError, OverflowError):
+            raise bad("a positive, finite number (FLOP/s or bytes/s), e.g. 1e12") from None
         if not (math.isfinite(value_f) and value_f > 0):
             raise bad("a positive, finite number (FLOP/s or bytes/s)")
         return value_f
@@ -353,8 +371,6 @@ def _validate(name: str, value: Any, where: str) -> Any:
         known = set(inductor_config._config.keys()) if hasattr(inductor_config, "_config") else None
         for k in value:
             if not isinstance(k, str) or (known is not None and k not in known):
-                raise ValueError(
-                    f"trinity option {where!r}: {k!r} is not a torch._inductor.config setting"
-                )
+                raise ValueError(f"trinity option {where!r}: {k!r} is not a torch._inductor.config setting")
         return tuple(sorted(value.items()))
     raise AssertionError(f"no validator for option {name}")

@@ -29,7 +29,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from .devices import DeviceSpec, detect_device_spec
 from .dump import GraphDumper
 from .graph_pair import GraphPair
-from .options import MemoryBudget, TrinityOptions, format_bytes
+from .options import MemoryBudget, TrinityOptions
 from .passes import cost_model, insert_transfers, liveness, plan_window, reorder, verify
 from .report import TrinityReport, next_graph_id, record_report
 from .runtime.transfer import TransferRuntime
@@ -243,9 +243,7 @@ class TrinityPartitioner(CustomPartitionerFn):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        return self.session.run(
-            fw, bw, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices") or ()
-        )
+        return self.session.run(fw, bw, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices") or ())
 
     def uuid(self) -> Any:
         # Caches are disabled while trinity compiles (the plan depends on options and on this

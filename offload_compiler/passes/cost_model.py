@@ -78,9 +78,7 @@ def apply_overrides(spec: DeviceSpec, options: TrinityOptions) -> DeviceSpec:
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    return span_bytes(
-        tuple(hint_int(s) for s in t.shape), tuple(hint_int(s) for s in t.stride()), t.element_size()
-    )
+    return span_bytes(tuple(hint_int(s) for s in t.shape), tuple(hint_int(s) for s in t.stride()), t.element_size())
 
 
 def _arg_val(a):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
-
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph_pair import GraphPair, fake_mode_of, tensor_vals
@@ -82,9 +81,7 @@ def _refresh_aliases(graph: fx.Graph, new_nodes, fake_mode) -> None:
         with fake_mode:
             new_val = n.target(*_fake_args(n.args), **_fake_args(n.kwargs))
         new_vals = new_val if isinstance(new_val, (tuple, list)) else [new_val]
-        if any(
-            isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) in in_storages for t in new_vals
-        ):
+        if any(isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) in in_storages for t in new_vals):
             _set_val(n, new_val)
             fresh.add(n)
 
@@ -95,24 +92,46 @@ def _is_view_node(node: fx.Node) -> bool:
     return bool(outs) and outs <= ins
 
 
-def _computed_at_or_before(node: fx.Node, fused: set) -> fx.Node | None:
-    """The closest node at or before ``node`` that computes a fresh tensor in this graph (not a
-    placeholder, a view, a trinity op, or a node the inner compiler fuses into its reader, which
-    an extra reader would force to be materialised): an ordering edge for an inserted op.
-    ``None`` when there is none (the start of the graph)."""
-    while node.op != "root":
-        if node.op == "placeholder":
-            return None
-        if (
-            node.op == "call_function"
-            and node.target not in TRANSFER_OPS
-            and node not in fused
-            and isinstance(node.meta.get("val"), torch.Tensor)
-            and not _is_view_node(node)
-        ):
-            return node
-        node = node.prev
-    return None
+class _OrderingEdges:
+    """Chooses the ``after`` node of an inserted op: the closest node before the insertion point
+    that computes a fresh tensor in this graph and whose buffer the plan keeps alive across that
+    point, so the extra edge extends no lifetime. Skipped: placeholders, views, trinity ops, and
+    nodes the inner compiler fuses into their reader (an extra reader would make it materialise
+    them)."""
+
+    def __init__(self, liveness: Liveness, plan: Plan, graph_name: str, graph: fx.Graph):
+        by_name = {n.name: n for n in graph.nodes}
+        evicted_until = {ev.buffer: ev.wait_after for ev in plan.evictions}
+        self.alive: dict[fx.Node, tuple[int, int]] = {}
+        self.fused: set[fx.Node] = set()
+        for b in liveness.buffers:
+            end = min(b.last_step, evicted_until.get(b.id, b.last_step))
+            for holder in b.nodes:
+                tag, _, name = holder.partition(":")
+                if tag == graph_name and name in by_name:
+                    node = by_name[name]
+                    self.alive[node] = (b.def_step, end)
+                    if b.fused:
+                        self.fused.add(node)
+
+    def before(self, node: fx.Node, step: int) -> fx.Node | None:
+        """The edge for an op placed after ``node`` and alive-checked at joint step ``step``."""
+        while node.op != "root":
+            if node.op == "placeholder":
+                return None
+            span = self.alive.get(node)
+            if (
+                node.op == "call_function"
+                and node.target not in TRANSFER_OPS
+                and node not in self.fused
+                and span is not None
+                and span[0] <= step <= span[1]
+                and isinstance(node.meta.get("val"), torch.Tensor)
+                and not _is_view_node(node)
+            ):
+                return node
+            node = node.prev
+        return None
 
 
 def _fused_nodes(graph: fx.Graph, liveness: Liveness, graph_name: str) -> set:
@@ -147,8 +166,12 @@ def _insert_fences(fw_graph: fx.Graph, liveness: Liveness, plan: Plan, host_of: 
     count = 0
     for ev in plan.evictions:
         buf = liveness.buffers[ev.buffer]
-        aliases = {by_name[x.split(":", 1)[1]] for x in buf.nodes if x.startswith("forward:")}
-        aliases = {a for a in aliases if a.graph is fw_graph and a in by_name.values()}
+        # Holders removed as dead (saved-only views the host copy replaced) are skipped.
+        aliases = {
+            by_name[name]
+            for tag, _, name in (x.partition(":") for x in buf.nodes)
+            if tag == "forward" and name in by_name
+        }
         hosts = [host_of[id(g)] for g in ev.groups]
         skip = set(hosts) | aliases
         readers = []
@@ -220,8 +243,8 @@ def apply(
             bw_before.setdefault(g.wait_before, []).append(("wait", ev, g))
 
     counts = {"evict": 0, "evict_wait": 0, "prefetch": 0, "prefetch_wait": 0}
-    fw_fused = _fused_nodes(pair.forward.graph, liveness, "forward")
-    bw_fused = _fused_nodes(pair.backward.graph, liveness, "backward")
+    fw_edges = _OrderingEdges(liveness, plan, "forward", pair.forward.graph)
+    bw_edges = _OrderingEdges(liveness, plan, "backward", pair.backward.graph)
     host_of: dict[int, fx.Node] = {}  # id(group) -> host node in the forward
     src_of: dict[int, fx.Node] = {}
     fw_graph = pair.forward.graph
@@ -262,7 +285,7 @@ def apply(
                 cursor = host
             else:
                 host, src = host_of[id(g)], src_of[id(g)]
-                after = _computed_at_or_before(anchor, fw_fused)
+                after = fw_edges.before(anchor, step + 1)
                 with fw_graph.inserting_after(cursor):
                     w = fw_graph.call_function(EVICT_WAIT, (host, src, runtime_id, after))
                 _set_val(w, None)
@@ -301,7 +324,7 @@ def apply(
                         host_val = torch.empty_strided(old.size(), old.stride(), dtype=old.dtype, device="cpu")
                 _set_val(ph, host_val)
                 ph.meta["trinity"] = "host copy of a saved activation"
-                after = _computed_at_or_before(anchor.prev, bw_fused)
+                after = bw_edges.before(anchor.prev, step)
                 with bw_graph.inserting_before(anchor):
                     dev = bw_graph.call_function(PREFETCH, (ph, old.device, runtime_id, after))
                 with fake_mode:
@@ -313,10 +336,10 @@ def apply(
                     # Every reader of every placeholder of the group now reads the prefetched tensor.
                     for i in g.saved:
                         other = bw_placeholders[liveness.saved[i].bw_node]
-                        other.replace_all_uses_with(dev, delete_user_cb=lambda user: user is not dev)
+                        other.replace_all_uses_with(dev, delete_user_cb=lambda user, dev=dev: user is not dev)
             else:
                 dev = dev_of[id(g)]
-                after = _computed_at_or_before(anchor.prev, bw_fused)
+                after = bw_edges.before(anchor.prev, step)
                 if after is not None and not _after_in_order(after, dev):
                     after = None  # the node before the reader precedes the prefetch itself
                 with bw_graph.inserting_before(anchor):

@@ -340,8 +340,10 @@ def fused_chain_end(node: fx.Node, fused_nodes: set) -> fx.Node:
 
 
 def _is_host_placeholder(node: fx.Node) -> bool:
-    return node.op == "placeholder" and bool(node.users) and all(
-        u.op == "call_function" and u.target is PREFETCH and u.args[0] is node for u in node.users
+    return (
+        node.op == "placeholder"
+        and bool(node.users)
+        and all(u.op == "call_function" and u.target is PREFETCH and u.args[0] is node for u in node.users)
     )
 
 
@@ -372,6 +374,13 @@ def analyze(pair: GraphPair, assume_fusion: bool = False) -> Liveness:
     device = graph_device(pair)
     fw_nodes = list(pair.forward.graph.nodes)
     bw_nodes = list(pair.backward.graph.nodes)
+    for graph_name, nodes in (("forward", fw_nodes), ("backward", bw_nodes)):
+        for n in nodes:
+            if n.op in ("call_function", "placeholder") and "val" not in n.meta:
+                raise ValueError(
+                    f"liveness: {graph_name} node {n.name!r} ({n.op} {n.target}) has no meta['val']; the "
+                    "graphs must be traced with fake tensors (as AOTAutograd does)"
+                )
     num_fw = len(fw_nodes)
     total = num_fw + len(bw_nodes)
     last = total - 1

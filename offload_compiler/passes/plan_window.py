@@ -196,10 +196,14 @@ def copy_tasks(evictions, costs: Costs) -> list[CopyTask]:
     for ev in evictions:
         for g in ev.groups:
             tasks.append(
-                CopyTask(len(tasks), "d2h", costs.transfer_seconds(g.copy_bytes, "d2h"), g.issue_after + 1, ev.wait_after + 1)
+                CopyTask(
+                    len(tasks), "d2h", costs.transfer_seconds(g.copy_bytes, "d2h"), g.issue_after + 1, ev.wait_after + 1
+                )
             )
             tasks.append(
-                CopyTask(len(tasks), "h2d", costs.transfer_seconds(g.copy_bytes, "h2d"), ev.prefetch_before, g.wait_before)
+                CopyTask(
+                    len(tasks), "h2d", costs.transfer_seconds(g.copy_bytes, "h2d"), ev.prefetch_before, g.wait_before
+                )
             )
     return tasks
 
@@ -208,8 +212,21 @@ class _Cand:
     """Mutable working state of one candidate during planning."""
 
     __slots__ = (
-        "buf", "groups", "size", "last", "lo_e", "hi_e", "lo_p", "hi_p", "issue", "d2h", "h2d",
-        "e", "p", "selected", "gap",
+        "buf",
+        "groups",
+        "size",
+        "last",
+        "lo_e",
+        "hi_e",
+        "lo_p",
+        "hi_p",
+        "issue",
+        "d2h",
+        "h2d",
+        "e",
+        "p",
+        "selected",
+        "gap",
     )
 
 
@@ -290,6 +307,11 @@ def plan(liveness: Liveness, costs: Costs, budget_bytes: int | None, min_offload
             cur = tight
         else:
             _select(cands, cur, budget_bytes, exposure, change)
+            if cur.max() > budget_bytes:
+                # The greedy choice got stuck although the tightest plan fits: use that.
+                for c in cands:
+                    c.e, c.p, c.selected = c.lo_e, c.hi_p, True
+                cur = tight.copy()
             _place_for_contention(cands, cur, budget_bytes, ce, b0)
 
     chosen = [c for c in cands if c.selected]
@@ -374,10 +396,14 @@ def _select(cands, cur: np.ndarray, budget: int, exposure, change) -> None:
         for i in np.flatnonzero(ok):
             c = cands[i]
             ne, np_ = tightened(c, t)
+            if c.selected and (ne, np_) == (c.e, c.p):
+                continue  # already evicted across t: tightening it changes nothing
             added = exposure(c, ne, np_) - (exposure(c, c.e, c.p) if c.selected else 0.0)
             key = (added, -c.size)
             if best_key is None or key < best_key:
                 best, best_key, best_window = c, key, (ne, np_)
+        if best is None:
+            return  # every candidate that could cover t already does
         if best.selected:
             cur -= change(best, best.e, best.p)
         best.e, best.p = best_window
@@ -449,9 +475,10 @@ def describe_infeasible(plan_: Plan, liveness: Liveness, budget_request: str, mi
     )
     step = liveness.steps[plan_.peak_step_planned]
     dominant = plan_.peak_breakdown[0][0] if plan_.peak_breakdown else "nothing"
+    resolved = f"{format_bytes(plan_.budget_bytes)} ({plan_.budget_bytes} bytes)"
+    requested = budget_request if resolved in budget_request else f"{budget_request} = {resolved}"
     return (
-        f"trinity: memory_budget {budget_request} = {format_bytes(plan_.budget_bytes)} "
-        f"({plan_.budget_bytes} bytes) is below the lowest peak any plan reaches, "
+        f"trinity: memory_budget {requested} is below the lowest peak any plan reaches, "
         f"{format_bytes(plan_.lowest_reachable_peak_bytes)} ({plan_.lowest_reachable_peak_bytes} bytes; "
         f"{format_bytes(plan_.peak_bytes_unplanned)} without offloading), at {step.graph} node "
         f"{step.node!r}. That peak is dominated by {dominant}: {parts}. "

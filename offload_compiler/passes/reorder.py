@@ -26,7 +26,9 @@ __all__ = ["hoist_frees"]
 def _bytes(node: fx.Node) -> int:
     total = 0
     for t in tensor_vals(node):
-        total += span_bytes(tuple(hint_int(s) for s in t.shape), tuple(hint_int(s) for s in t.stride()), t.element_size())
+        total += span_bytes(
+            tuple(hint_int(s) for s in t.shape), tuple(hint_int(s) for s in t.stride()), t.element_size()
+        )
     return total
 
 

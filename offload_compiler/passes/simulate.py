@@ -96,9 +96,7 @@ def simulate(step_seconds: Sequence[float], copies: Sequence[CopyTask]) -> Timel
         if pos < n:
             starts.append(t)
             t += step_seconds[pos]
-    copies_out = tuple(
-        CopyTiming(c.id, c.direction, *timing[c.id]) for c in sorted(copies, key=lambda c: c.id)
-    )
+    copies_out = tuple(CopyTiming(c.id, c.direction, *timing[c.id]) for c in sorted(copies, key=lambda c: c.id))
     return Timeline(
         step_seconds=t,
         compute_seconds=float(sum(step_seconds)),

@@ -72,6 +72,8 @@ def _check_forward(fw: fx.GraphModule, fw_outputs: list) -> list[str]:
         # Nothing may read the evicted storage after the wait (it is freed there).
         for s in storages[src]:
             i, reader, alias = last_read.get(s, (-1, None, None))
+            if s not in freed_at:
+                continue  # no wait keeps this storage alive: reported above
             free_pos, free_node = freed_at[s]
             if i > free_pos:
                 errors.append(
@@ -94,7 +96,9 @@ def _check_backward(bw: fx.GraphModule) -> list[str]:
         if host.op != "placeholder":
             errors.append(f"backward: prefetch {n.name!r} reads {host}, not a host placeholder")
         elif len(host.users) != 1:
-            errors.append(f"backward: host placeholder {host.name!r} has {len(host.users)} readers (expected 1 prefetch)")
+            errors.append(
+                f"backward: host placeholder {host.name!r} has {len(host.users)} readers (expected 1 prefetch)"
+            )
         waits = [u for u in n.users if u.op == "call_function" and u.target is PREFETCH_WAIT]
         if len(waits) != 1:
             errors.append(f"backward: prefetch {n.name!r} has {len(waits)} prefetch_wait nodes (expected 1)")
@@ -117,7 +121,12 @@ def verify(
         VerificationError: listing every broken invariant.
     """
     errors = _check_forward(pair.forward, pair.fw_outputs()) + _check_backward(pair.backward)
-    live = liveness_pass.analyze(pair, assume_fusion=assume_fusion)
+    if errors:  # the peak of a malformed rewrite means nothing; report the structure first
+        raise VerificationError("trinity verification failed:\n  - " + "\n  - ".join(errors))
+    try:
+        live = liveness_pass.analyze(pair, assume_fusion=assume_fusion)
+    except ValueError as exc:
+        raise VerificationError(f"trinity verification failed: cannot re-measure the peak: {exc}") from exc
     peak = live.peak_bytes
     if budget_bytes is not None and peak > budget_bytes:
         step = live.steps[live.peak_step]

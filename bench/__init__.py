@@ -1,0 +1,1 @@
+"""trinity's benchmarks. ``python -m bench`` (``make bench``) runs the CPU suite."""

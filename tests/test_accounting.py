@@ -1,0 +1,134 @@
+"""measure_peak_device_bytes on the CPU: the peak is exactly the largest sum of storages alive at
+once (plus the declared resident bytes), views add nothing, and host-pool blocks are not device
+memory."""
+
+import pytest
+import torch
+
+from offload_compiler import measure_peak_device_bytes
+from offload_compiler.runtime.accounting import resident_bytes
+from offload_compiler.runtime.pool import HostPool
+
+MB = 10**6
+
+
+def measure(fn, **kwargs):
+    return measure_peak_device_bytes(fn, device="cpu", **kwargs)
+
+
+def test_peak_is_the_largest_sum_alive_at_once():
+    def step():
+        a = torch.empty(1 * MB, dtype=torch.uint8)
+        b = torch.empty(2 * MB, dtype=torch.uint8)  # a + b = 3 MB
+        del a
+        c = torch.empty(3 * MB, dtype=torch.uint8)  # b + c = 5 MB: the peak
+        del b, c
+        d = torch.empty(4 * MB, dtype=torch.uint8)  # alone: 4 MB
+        return d.numel()
+
+    m = measure(step)
+    assert m.peak_bytes == 5 * MB
+    assert m.resident_bytes == 0
+    assert m.allocated_delta_bytes == 0
+    assert m.host_pool_bytes == 0
+    assert m.method == "cpu-allocator-trace"
+    assert m.result == 4 * MB
+
+
+def test_resident_bytes_are_added_once_per_storage():
+    w = torch.empty(250_000, dtype=torch.float32)  # 1 MB
+    g = torch.empty(1000, 500, dtype=torch.float32)  # 2 MB
+    resident = [w, w.view(500, 500), w[10:], g, g.t(), None]
+
+    def step():
+        x = torch.empty(3 * MB, dtype=torch.uint8)
+        return x.numel()
+
+    assert resident_bytes(resident) == 3 * MB
+    m = measure(step, resident=resident)
+    assert m.resident_bytes == 3 * MB
+    assert m.peak_bytes == 3 * MB + 3 * MB
+
+
+def test_views_count_once():
+    def step():
+        x = torch.empty(1000, 1000, dtype=torch.float32)  # 4 MB
+        views = [x.t(), x[1:], x.view(-1), x.as_strided((10, 10), (1, 1000)), x.unsqueeze(0), x.detach()]
+        y = torch.empty(MB, dtype=torch.uint8)
+        return len(views) + y.numel()
+
+    m = measure(step)
+    assert m.peak_bytes == 5 * MB
+
+
+def test_bytes_still_alive_after_the_call():
+    def step():
+        keep = torch.empty(2 * MB, dtype=torch.uint8)
+        tmp = torch.empty(3 * MB, dtype=torch.uint8)
+        del tmp
+        return keep
+
+    m = measure(step)
+    assert m.peak_bytes == 5 * MB
+    assert m.allocated_delta_bytes == 2 * MB
+    assert isinstance(m.result, torch.Tensor) and m.result.numel() == 2 * MB
+
+
+def test_in_place_ops_and_outputs_of_ops_are_counted():
+    def step():
+        a = torch.ones(250_000)  # 1 MB
+        a.mul_(3)  # in place: no new storage
+        b = a + 1  # 1 MB
+        c = torch.cat([a, b])  # 2 MB: 4 MB alive
+        del a, b
+        return c.sum().item()
+
+    m = measure(step)
+    assert m.peak_bytes == 4 * MB
+    assert m.result == 250_000 * 7
+
+
+def test_host_pool_blocks_are_not_device_memory():
+    pool = HostPool(64 * 2**20)
+
+    def step():
+        host = pool.empty_strided((2**20,), (1,), torch.float32)  # a 4 MiB pool block
+        host.fill_(1.0)
+        a = torch.empty(MB, dtype=torch.uint8)
+        b = torch.empty(MB, dtype=torch.uint8)
+        return host, a.numel() + b.numel()
+
+    m = measure(step)
+    assert m.peak_bytes == 2 * MB
+    assert m.host_pool_bytes == 4 * 2**20
+    assert m.allocated_delta_bytes == 0
+    assert pool.owns(m.result[0])
+
+
+def test_a_reused_pool_block_is_not_counted_either():
+    pool = HostPool(64 * 2**20)
+    warm = pool.empty_strided((2**20,), (1,), torch.float32)
+    del warm  # the block is free and will be reused inside the call
+
+    def step():
+        host = pool.empty_strided((2**20,), (1,), torch.float32)
+        x = torch.empty(3 * MB, dtype=torch.uint8)
+        return host.numel() + x.numel()
+
+    m = measure(step)
+    assert m.peak_bytes == 3 * MB
+    assert m.host_pool_bytes == 0  # nothing new was allocated by the pool
+    assert pool.stats().num_reuses == 1
+
+
+def test_result_is_returned():
+    m = measure(lambda: "done")
+    assert m.result == "done"
+    assert m.peak_bytes == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU measurement only")
+def test_default_device_without_cuda_is_the_cpu():
+    m = measure_peak_device_bytes(lambda: torch.empty(MB, dtype=torch.uint8).numel())
+    assert m.method == "cpu-allocator-trace"
+    assert m.peak_bytes == MB

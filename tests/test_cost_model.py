@@ -1,0 +1,157 @@
+"""Cost model: per-node roofline times and transfer times on a device with round numbers.
+
+``tanh_mm`` (w: 3x5, x: 2x3, fp32; schedule in test_liveness.py) costs, by hand, with 1 GFLOP/s,
+1 GB/s and 1 us launch overhead:
+
+* mm (x @ w): 2*2*3*5 = 60 FLOPs; reads 24 + 60 B, writes 40 B = 124 B -> 124 ns + 1 us.
+* tanh: no FLOP formula; 40 B in + 40 B out -> 80 ns + 1 us.
+* sum: 40 B in + 4 B out -> 44 ns + 1 us.
+* tanh_backward(expand, detach_1): the expanded scalar spans one element (4 B) + 40 + 40 B out.
+* mm_1 (x.t() @ g): 60 FLOPs; x.t() spans 24 B, g 40 B, the 3x5 gradient 60 B -> 124 B.
+* views (detach, t, expand), placeholders and outputs: nothing.
+"""
+
+import pytest
+import torch
+
+from offload_compiler.options import TrinityOptions
+from offload_compiler.passes import cost_model, insert_transfers, liveness, plan_window
+from offload_compiler.runtime.ops import TRANSFER_OPS
+
+from ._pass_helpers import ROUND, mlp4_pair, spec, tanh_mm, tanh_mm_pair
+from .graphs import capture_pair
+
+US = 1e-6
+
+
+def by_node(pair, live, costs):
+    return {
+        (s.graph, s.node): (costs.step_flops[s.index], costs.step_bytes[s.index], costs.step_seconds[s.index])
+        for s in live.steps
+    }
+
+
+def test_roofline_by_hand_bandwidth_bound():
+    pair = tanh_mm_pair()
+    live = liveness.analyze(pair)
+    costs = cost_model.estimate(pair, live, ROUND)
+    got = by_node(pair, live, costs)
+    expected = {
+        ("forward", "mm"): (60, 124, 124e-9 + US),
+        ("forward", "tanh"): (0, 80, 80e-9 + US),
+        ("forward", "sum_1"): (0, 44, 44e-9 + US),
+        ("backward", "tanh_backward"): (0, 84, 84e-9 + US),
+        ("backward", "mm_1"): (60, 124, 124e-9 + US),
+    }
+    for key, (flops, nbytes, seconds) in expected.items():
+        assert got[key][:2] == (flops, nbytes), key
+        assert got[key][2] == pytest.approx(seconds, rel=1e-12), key
+    for key, value in got.items():
+        if key not in expected:
+            assert value == (0, 0, 0.0), key
+    assert len(costs.step_seconds) == live.num_steps
+    assert costs.compute_seconds == pytest.approx((124 + 80 + 44 + 84 + 124) * 1e-9 + 5 * US, rel=1e-12)
+    assert costs.device is ROUND
+
+
+def test_roofline_by_hand_flop_bound():
+    fast_memory = spec(hbm_bytes_per_s=1e15)
+    pair = tanh_mm_pair()
+    live = liveness.analyze(pair)
+    got = by_node(pair, live, cost_model.estimate(pair, live, fast_memory))
+    assert got[("forward", "mm")][2] == pytest.approx(60 / 1e9 + US, rel=1e-12)
+    assert got[("backward", "mm_1")][2] == pytest.approx(60 / 1e9 + US, rel=1e-12)
+    assert got[("forward", "tanh")][2] == pytest.approx(80 / 1e15 + US, rel=1e-12)
+
+
+def test_launch_overhead_is_added_once_per_kernel():
+    pair = tanh_mm_pair()
+    live = liveness.analyze(pair)
+    a = cost_model.estimate(pair, live, spec(launch_overhead_s=0.0))
+    b = cost_model.estimate(pair, live, spec(launch_overhead_s=1.0))
+    kernels = sum(1 for s in a.step_bytes if s)
+    assert kernels == 5
+    assert b.compute_seconds - a.compute_seconds == pytest.approx(5.0, rel=1e-12)
+
+
+def test_tf32_precision_uses_the_tf32_rate():
+    fast_memory = spec(hbm_bytes_per_s=1e15)
+    pair = tanh_mm_pair()
+    live = liveness.analyze(pair)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        got = by_node(pair, live, cost_model.estimate(pair, live, fast_memory))
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert got[("forward", "mm")][2] == pytest.approx(60 / 4e9 + US, rel=1e-12)
+
+
+def test_bf16_uses_the_bf16_rate_and_half_the_bytes():
+    torch.manual_seed(0)
+    w = torch.randn(3, 5, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(2, 3, dtype=torch.bfloat16)
+    pair = capture_pair(tanh_mm, w, x, static=(0,))
+    live = liveness.analyze(pair)
+    got = by_node(pair, live, cost_model.estimate(pair, live, spec(hbm_bytes_per_s=1e15)))
+    flops, nbytes, seconds = got[("forward", "mm")]
+    assert (flops, nbytes) == (60, 62)
+    assert seconds == pytest.approx(60 / 8e9 + US, rel=1e-12)
+
+
+def test_transfer_seconds_per_direction():
+    costs = cost_model.Costs(
+        device=spec(h2d_bytes_per_s=1e8, d2h_bytes_per_s=2e8), step_seconds=(), step_flops=(), step_bytes=()
+    )
+    assert costs.transfer_seconds(1000, "h2d") == pytest.approx(1e-5)
+    assert costs.transfer_seconds(1000, "d2h") == pytest.approx(5e-6)
+    assert costs.transfer_seconds(0, "d2h") == 0.0
+
+
+def test_transfer_ops_cost_nothing_and_other_nodes_keep_their_cost():
+    pair = mlp4_pair(device="meta")
+    live = liveness.analyze(pair)
+    before = cost_model.estimate(pair, live, ROUND)
+    plan = plan_window.plan(live, before, 0)
+    assert plan.evictions
+    insert_transfers.apply(pair, live, plan, runtime_id=1)
+    live2 = liveness.analyze(pair)
+    after = cost_model.estimate(pair, live2, ROUND)
+    old = {(s.graph, s.node): before.step_seconds[s.index] for s in live.steps}
+    nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
+    seen_transfer = 0
+    for s, n in zip(live2.steps, nodes):
+        if n.op == "call_function" and n.target in TRANSFER_OPS:
+            seen_transfer += 1
+            assert (after.step_flops[s.index], after.step_bytes[s.index], after.step_seconds[s.index]) == (0, 0, 0.0)
+        elif (s.graph, s.node) in old and n.op == "call_function":
+            assert after.step_seconds[s.index] == pytest.approx(old[(s.graph, s.node)], rel=1e-12), n.name
+    assert seen_transfer == 4 * len(plan.evictions)
+
+
+def test_estimate_rejects_a_liveness_of_other_graphs():
+    pair = tanh_mm_pair()
+    other = liveness.analyze(mlp4_pair())
+    with pytest.raises(ValueError, match="cost model"):
+        cost_model.estimate(pair, other, ROUND)
+
+
+def test_apply_overrides():
+    opts = TrinityOptions(
+        peak_flops=7e12, hbm_bytes_per_s=3e11, h2d_bytes_per_s=2e10, d2h_bytes_per_s=1e10, device_memory_bytes=12345
+    )
+    s = cost_model.apply_overrides(ROUND, opts)
+    assert (s.flops_fp32, s.flops_tf32, s.flops_bf16) == (7e12, 7e12, 7e12)
+    assert (s.hbm_bytes_per_s, s.h2d_bytes_per_s, s.d2h_bytes_per_s, s.memory_bytes) == (3e11, 2e10, 1e10, 12345)
+    assert s.launch_overhead_s == ROUND.launch_overhead_s and s.name == ROUND.name
+    assert "overridden by options" in s.source
+    # Only what is given changes.
+    s2 = cost_model.apply_overrides(ROUND, TrinityOptions(d2h_bytes_per_s=5e9))
+    assert s2.d2h_bytes_per_s == 5e9
+    assert (s2.h2d_bytes_per_s, s2.flops_fp32, s2.hbm_bytes_per_s) == (
+        ROUND.h2d_bytes_per_s,
+        ROUND.flops_fp32,
+        ROUND.hbm_bytes_per_s,
+    )
+    # No overrides: the spec itself.
+    assert cost_model.apply_overrides(ROUND, TrinityOptions()) is ROUND

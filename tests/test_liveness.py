@@ -1,0 +1,357 @@
+"""Liveness on tiny captured graphs: buffers, kinds, sizes, live ranges and live bytes, checked
+against values worked out by hand from the printed graphs.
+
+The main example is ``tanh_mm`` (w: 3x5 parameter, x: 2x3 input, fp32). Its pair is::
+
+    forward                                   backward
+     0 primals_1 (w, 60 B)                     9 detach_1 (placeholder, saved)
+     1 primals_2 (x, 24 B)                    10 t        (placeholder, saved: x.t())
+     2 mm = x @ w            (40 B)           11 tangents_1 (4 B)
+     3 tanh = tanh(mm)       (40 B)           12 expand = tangents_1.expand(2, 5)   (view)
+     4 detach = tanh.detach()        (view)   13 tanh_backward(expand, detach_1)   (40 B)
+     5 sum_1 = tanh.sum()    (4 B, output)    14 mm_1 = t @ tanh_backward (60 B, grad of w)
+     6 detach_1 = detach.detach()    (view)   15 output
+     7 t = x.t()                     (view)
+     8 output (sum_1, detach_1, t)
+"""
+
+import pytest
+import sympy
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from offload_compiler.graph_pair import GraphPair
+from offload_compiler.passes import liveness
+from offload_compiler.passes.liveness import BufferKind
+
+from ._pass_helpers import buffer_holding, gram_pair, mlp4_pair, qkv_pair, tanh_mm_pair
+from .graphs import capture_pair
+
+FW = ["primals_1", "primals_2", "mm", "tanh", "detach", "sum_1", "detach_1", "t", "output"]
+BW = ["detach_1", "t", "tangents_1", "expand", "tanh_backward", "mm_1", "output"]
+
+
+@pytest.fixture
+def live():
+    return liveness.analyze(tanh_mm_pair())
+
+
+def test_schedule_is_forward_then_backward(live):
+    assert live.num_fw_steps == len(FW)
+    assert live.num_steps == len(FW) + len(BW)
+    assert [(s.graph, s.node) for s in live.steps] == [("forward", n) for n in FW] + [("backward", n) for n in BW]
+    assert [s.index for s in live.steps] == list(range(live.num_steps))
+    assert [s.is_placeholder for s in live.steps] == [True, True] + [False] * 7 + [True] * 3 + [False] * 4
+    assert [s.is_output for s in live.steps].count(True) == 2
+    assert live.step_named("forward", "sum_1") == 5
+    assert live.step_named("backward", "detach_1") == 9
+    assert live.device == "cpu"
+
+
+def test_kinds_sizes_and_aliases(live):
+    expected = {
+        # node: (kind, storage bytes, every node holding the storage)
+        "forward:primals_1": (BufferKind.PARAMETER, 60, {"forward:primals_1"}),
+        "forward:primals_2": (BufferKind.INPUT, 24, {"forward:primals_2", "forward:t", "backward:t"}),
+        "forward:mm": (BufferKind.TEMPORARY, 40, {"forward:mm"}),
+        "forward:tanh": (
+            BufferKind.SAVED,
+            40,
+            {"forward:tanh", "forward:detach", "forward:detach_1", "backward:detach_1"},
+        ),
+        "forward:sum_1": (BufferKind.OUTPUT, 4, {"forward:sum_1"}),
+        "backward:tangents_1": (BufferKind.TANGENT, 4, {"backward:tangents_1", "backward:expand"}),
+        "backward:tanh_backward": (BufferKind.TEMPORARY, 40, {"backward:tanh_backward"}),
+        "backward:mm_1": (BufferKind.GRADIENT, 60, {"backward:mm_1"}),
+    }
+    assert len(live.buffers) == len(expected)
+    for node, (kind, nbytes, holders) in expected.items():
+        b = buffer_holding(live, node)
+        assert b.kind is kind, node
+        assert b.size_bytes == nbytes, node
+        assert b.size_expr == sympy.Integer(nbytes), node
+        assert set(b.nodes) == holders, node
+        assert b.on_device and b.device == "cpu" and not b.fused
+    assert sorted(b.id for b in live.buffers) == list(range(len(live.buffers)))
+
+
+def test_kind_of_an_input_depends_on_static_indices():
+    torch.manual_seed(0)
+    w = torch.randn(3, 5, requires_grad=True)
+    x = torch.randn(2, 3)
+    from ._pass_helpers import tanh_mm
+
+    live = liveness.analyze(capture_pair(tanh_mm, w, x, static=()))
+    assert buffer_holding(live, "forward:primals_1").kind is BufferKind.INPUT
+
+
+def test_live_ranges(live):
+    last = live.num_steps - 1
+    # Caller-owned: the whole schedule.
+    for node in ("forward:primals_1", "forward:primals_2"):
+        b = buffer_holding(live, node)
+        assert (b.def_step, b.last_step) == (0 if node.endswith("_1") else 1, last)
+    # The user output and the gradient: from their definition to the end.
+    assert (buffer_holding(live, "forward:sum_1").def_step, buffer_holding(live, "forward:sum_1").last_step) == (
+        5,
+        last,
+    )
+    g = buffer_holding(live, "backward:mm_1")
+    assert (g.def_step, g.last_step) == (14, last)
+    # Temporaries and the tangent: definition to last reader.
+    mm = buffer_holding(live, "forward:mm")
+    assert (mm.def_step, mm.last_step, mm.use_steps) == (2, 3, (3,))
+    tangent = buffer_holding(live, "backward:tangents_1")
+    assert (tangent.def_step, tangent.last_step) == (11, 13)
+    # The saved activation: tanh (3) to its backward reader tanh_backward (13). Its last forward
+    # reader is sum_1 (5); the detaches exist only to be saved and do not count. Idle gap: the
+    # steps strictly between 5 and 13.
+    s = buffer_holding(live, "forward:tanh")
+    assert (s.def_step, s.last_step) == (3, 13)
+    assert (s.last_fw_use, s.first_bw_use) == (5, 13)
+    assert s.idle_gap_steps == 7
+    assert s.source_step == 3
+    assert s.saved == (0,)
+
+
+def test_live_bytes_by_hand(live):
+    w, x, mm, tanh, out, tangent, tbw, grad = 60, 24, 40, 40, 4, 4, 40, 60
+    expected = [
+        w,  # 0 primals_1
+        w + x,  # 1 primals_2
+        w + x + mm,  # 2 mm
+        w + x + mm + tanh,  # 3 tanh reads mm: both live
+        w + x + tanh,  # 4 detach
+        w + x + tanh + out,  # 5 sum_1
+        w + x + tanh + out,  # 6 detach_1
+        w + x + tanh + out,  # 7 t
+        w + x + tanh + out,  # 8 output
+        w + x + tanh + out,  # 9 detach_1 placeholder
+        w + x + tanh + out,  # 10 t placeholder
+        w + x + tanh + out + tangent,  # 11 tangents_1
+        w + x + tanh + out + tangent,  # 12 expand
+        w + x + tanh + out + tangent + tbw,  # 13 tanh_backward
+        w + x + out + tbw + grad,  # 14 mm_1
+        w + x + out + grad,  # 15 output
+    ]
+    assert live.live_bytes().tolist() == expected
+    assert live.peak_bytes == 188
+    assert live.peak_step == 14
+    assert live.bytes_by_kind(14) == {"parameter": 60, "gradient": 60, "temporary": 40, "input": 24, "output": 4}
+    saved_id = buffer_holding(live, "forward:tanh").id
+    assert live.bytes_by_kind(7, removed=frozenset({saved_id})) == {"parameter": 60, "input": 24, "output": 4}
+
+
+def test_live_bytes_is_a_copy(live):
+    a = live.live_bytes()
+    a[:] = 0
+    assert live.live_bytes().max() == 188
+
+
+def test_saved_tensors(live):
+    tanh_buf = buffer_holding(live, "forward:tanh").id
+    x_buf = buffer_holding(live, "forward:primals_2").id
+    s0, s1 = live.saved
+    assert (s0.index, s0.fw_output_index, s0.fw_node, s0.bw_node, s0.buffer) == (0, 1, "detach_1", "detach_1", tanh_buf)
+    assert (s0.def_step, s0.first_bw_use, s0.last_bw_use) == (6, 13, 13)
+    assert (s0.shape, s0.stride, s0.storage_offset, s0.itemsize, s0.copy_bytes) == ((2, 5), (5, 1), 0, 4, 40)
+    assert s0.dtype == "float32" and s0.static and s0.same_view_as_source
+    assert s0.evictable and s0.reason == ""
+    # x.t(): a transposed view of the input x, 3x2 with strides (1, 3).
+    assert (s1.fw_node, s1.buffer, s1.shape, s1.stride, s1.copy_bytes) == ("t", x_buf, (3, 2), (1, 3), 24)
+    assert not s1.same_view_as_source
+    assert not s1.evictable and s1.reason == "aliases a input"
+
+
+def test_candidates_and_min_bytes(live):
+    tanh_buf = buffer_holding(live, "forward:tanh")
+    assert [b.id for b in live.candidates()] == [tanh_buf.id]
+    assert [b.id for b in live.candidates(min_bytes=40)] == [tanh_buf.id]
+    assert live.candidates(min_bytes=41) == []
+
+
+def test_saved_user_output_and_parameter_views_are_not_evictable():
+    torch.manual_seed(0)
+    w = torch.randn(3, 5, requires_grad=True)
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def fn(w, x):
+        h = torch.tanh(x @ w)
+        return h, (h * h).sum()
+
+    live = liveness.analyze(capture_pair(fn, w, x, static=(0,)))
+    by_node = {s.fw_node: s for s in live.saved}
+    # h is returned to the user and saved: the user owns it.
+    assert buffer_holding(live, "forward:tanh").kind is BufferKind.OUTPUT
+    assert by_node["tanh"].reason == "aliases a output"
+    # w.t() is saved for the gradient of x: a view of the parameter.
+    assert by_node["t_1"].reason == "aliases a parameter"
+    assert live.candidates() == []
+    # Two user outputs, two tangents (the 2x5 one and the scalar one).
+    tangents = [b for b in live.buffers if b.kind is BufferKind.TANGENT]
+    assert sorted(b.size_bytes for b in tangents) == [4, 40]
+
+
+def test_views_sharing_a_storage_are_one_buffer():
+    # q, k, v split from one 2x12 projection and saved separately: one 96-byte buffer.
+    live = liveness.analyze(qkv_pair())
+    b = buffer_holding(live, "forward:mm")
+    assert b.kind is BufferKind.SAVED
+    assert b.size_bytes == 2 * 12 * 4
+    assert {"forward:getitem", "forward:getitem_1", "forward:getitem_2"} <= set(b.nodes)
+    assert {"backward:getitem", "backward:getitem_1", "backward:getitem_2"} <= set(b.nodes)
+    members = [live.saved[i] for i in b.saved]
+    assert [m.fw_node for m in members] == ["getitem", "getitem_1", "getitem_2"]
+    assert [m.storage_offset for m in members] == [0, 4, 8]
+    for m in members:
+        # A 2x4 view with row stride 12 spans 1 + 1*12 + 3*1 = 16 elements.
+        assert (m.shape, m.stride, m.copy_bytes) == ((2, 4), (12, 1), 64)
+        assert not m.same_view_as_source and m.evictable
+    assert len({m.view_key for m in members}) == 3
+    # Forward readers: mul (7) reads q and k, mul_1 (8) reads v; first backward reader of any view.
+    assert b.last_fw_use == 8
+    assert b.first_bw_use == live.step_named("backward", "mul_3")
+    assert b.last_step == live.step_named("backward", "mul_5")
+    # Counted once in the live bytes: at step 7 only w, x and the projection are live besides mul.
+    assert live.live_bytes()[7] == 192 + 32 + 96 + 32
+
+
+def test_tensor_and_its_transpose_are_one_buffer():
+    live = liveness.analyze(gram_pair())
+    b = buffer_holding(live, "forward:mm")
+    assert set(b.nodes) >= {"forward:mm", "forward:t", "backward:mm", "backward:t"}
+    assert b.size_bytes == 48
+    mm, t = (live.saved[i] for i in b.saved)
+    assert (mm.fw_node, mm.shape, mm.stride, mm.same_view_as_source) == ("mm", (2, 6), (6, 1), True)
+    assert (t.fw_node, t.shape, t.stride, t.same_view_as_source) == ("t", (6, 2), (1, 6), False)
+    assert mm.copy_bytes == t.copy_bytes == 48
+
+
+def test_placeholder_joins_its_forward_value_across_graphs():
+    live = liveness.analyze(mlp4_pair())
+    for name in ("tanh", "tanh_1", "tanh_2"):
+        b = buffer_holding(live, f"forward:{name}")
+        assert f"backward:{name}" in b.nodes
+        assert b.kind is BufferKind.SAVED and b.size_bytes == 256
+    # tanh_3 is saved through a late detach: the backward placeholder is detach_4.
+    assert "backward:detach_4" in buffer_holding(live, "forward:tanh_3").nodes
+    assert len(live.candidates()) == 4
+
+
+def test_fusion_removes_pointwise_temporaries():
+    torch.manual_seed(0)
+    w = torch.randn(3, 5, requires_grad=True)
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def fn(w, x):
+        return torch.sin(torch.sin(x @ w)).sum()
+
+    # forward: mm (2), sin (3), sin_1 (4), sum_1 (5); min-cut saves mm and recomputes the sines.
+    plain = liveness.analyze(capture_pair(fn, w, x, static=(0,)))
+    fused = liveness.analyze(capture_pair(fn, w, x, static=(0,)), assume_fusion=True)
+    assert not any(b.fused for b in plain.buffers)
+    fused_nodes = {b.nodes[0] for b in fused.buffers if b.fused}
+    # sin feeds sin_1 (pointwise), sin_1 feeds sum (a reduction); in the backward sin, cos, mul
+    # and cos_1 feed pointwise ops; mul_1 feeds two matmuls and is materialised.
+    assert fused_nodes == {
+        "forward:sin",
+        "forward:sin_1",
+        "backward:sin",
+        "backward:cos",
+        "backward:mul",
+        "backward:cos_1",
+    }
+    w_, x_, mm, out = 60, 24, 40, 4
+    assert plain.live_bytes()[:6].tolist() == [
+        w_,
+        w_ + x_,
+        w_ + x_ + mm,
+        w_ + x_ + 2 * mm,
+        w_ + x_ + 3 * mm,
+        w_ + x_ + mm + mm + out,
+    ]
+    assert fused.live_bytes()[:6].tolist() == [
+        w_,
+        w_ + x_,
+        w_ + x_ + mm,
+        w_ + x_ + mm,
+        w_ + x_ + mm,
+        w_ + x_ + mm + out,
+    ]
+    # mm is read by sin at step 3, which is computed inside sum_1's kernel (step 5).
+    mm_buf = buffer_holding(fused, "forward:mm")
+    assert mm_buf.last_fw_use == 5
+    assert buffer_holding(plain, "forward:mm").last_fw_use == 3
+
+
+def test_convolution_workspace_counts_at_its_step():
+    torch.manual_seed(0)
+    w = torch.randn(2, 1, 3, 3, requires_grad=True)
+    x = torch.randn(1, 1, 5, 5)
+
+    def fn(w, x):
+        return torch.nn.functional.conv2d(x, w).tanh().sum()
+
+    live = liveness.analyze(capture_pair(fn, w, x, static=(0,)))
+    conv = live.step_named("forward", "convolution")
+    conv_bw = live.step_named("backward", "convolution_backward")
+    out_bytes = 1 * 2 * 3 * 3 * 4  # the 1x2x3x3 output
+    ws = [0] * live.num_steps
+    ws[conv] = out_bytes  # forward: one output's worth
+    ws[conv_bw] = 2 * out_bytes  # backward: twice its grad_output (same shape as the output)
+    assert list(live.workspace_bytes) == ws
+    # At the convolution: w (72) + x (100) + its output (72) + workspace (72).
+    assert live.live_bytes()[conv] == 72 + 100 + 72 + 72
+    assert live.bytes_by_kind(conv)["workspace"] == 72
+
+
+def test_symbolic_sizes_keep_expressions_and_use_hints():
+    box = {}
+
+    def partition(joint, inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **kw):
+        fw, bw = min_cut_rematerialization_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        box["pair"] = GraphPair(fw, bw, num_fwd_outputs, tuple(static_lifetime_input_indices or ()))
+        return fw, bw
+
+    backend = aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm),
+        bw_compiler=lambda gm, _: make_boxed_func(gm),
+        partition_fn=partition,
+    )
+    lin = torch.nn.Linear(3, 5, bias=False)
+
+    def fn(x):
+        return torch.tanh(lin(x)).sum()
+
+    torch.compile(fn, backend=backend, dynamic=True)(torch.randn(7, 3)).backward()
+    live = liveness.analyze(box["pair"])
+    saved = [b for b in live.buffers if b.kind is BufferKind.SAVED]
+    assert len(saved) == 1
+    b = saved[0]
+    # tanh(x @ W.t()) is (s0, 5) fp32: 20 * s0 bytes, 140 with the hint s0 = 7.
+    assert b.size_bytes == 140
+    assert len(b.size_expr.free_symbols) == 1
+    (sym,) = b.size_expr.free_symbols
+    assert sympy.simplify(b.size_expr - 20 * sym) == 0
+    (st,) = [live.saved[i] for i in b.saved]
+    assert not st.static and st.copy_bytes == 140 and st.shape == (7, 5)
+
+
+def test_missing_fake_value_raises():
+    # The docstring promises a ValueError when a node that should hold a tensor has no
+    # meta["val"] (a graph not traced with fake tensors); silently skipping it under-counts memory.
+    pair = tanh_mm_pair()
+    (tanh,) = [n for n in pair.forward.graph.nodes if n.name == "tanh"]
+    del tanh.meta["val"]
+    with pytest.raises(ValueError):
+        liveness.analyze(pair)
+
+
+def test_meta_device_graph():
+    # A graph whose tensors live on a non-CPU device: that device is the compute device.
+    live = liveness.analyze(tanh_mm_pair(device="meta"))
+    assert live.device == "meta"
+    assert all(b.device == "meta" and b.on_device for b in live.buffers)
+    assert live.peak_bytes == 188

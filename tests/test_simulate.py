@@ -1,0 +1,255 @@
+"""Timeline simulator: hand-computed timelines and properties that hold for any schedule.
+
+Durations are small integers or binary fractions, so every sum below is exact in floating point
+and the expected values are compared with ``==``.
+"""
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload_compiler.passes.simulate import CopyTask, simulate
+
+
+def d2h(id, seconds, issue, wait):
+    return CopyTask(id, "d2h", seconds, issue, wait)
+
+
+def h2d(id, seconds, issue, wait):
+    return CopyTask(id, "h2d", seconds, issue, wait)
+
+
+# (name, step durations, copies, expected total, expected exposed, expected step starts,
+#  expected per-copy (issue, start, end, stall) by id)
+CASES = [
+    (
+        "no copies: steps run back to back",
+        [1.0, 2.0, 3.0, 4.0],
+        [],
+        10.0,
+        0.0,
+        (0.0, 1.0, 3.0, 6.0),
+        {},
+    ),
+    (
+        # 4-step chain; a 2 s D2H issued after step 0 (t=1) runs [1, 3] under steps 1 and 2 and is
+        # waited before step 3 (t=3): it hides exactly.
+        "one D2H hidden exactly",
+        [1.0, 1.0, 1.0, 1.0],
+        [d2h(0, 2.0, 1, 3)],
+        4.0,
+        0.0,
+        (0.0, 1.0, 2.0, 3.0),
+        {0: (1.0, 1.0, 3.0, 0.0)},
+    ),
+    (
+        # Same, 3 s: it ends at 4, the wait at t=3 stalls 1 s and step 3 starts at 4.
+        "one D2H exposed by one second",
+        [1.0, 1.0, 1.0, 1.0],
+        [d2h(0, 3.0, 1, 3)],
+        5.0,
+        1.0,
+        (0.0, 1.0, 2.0, 4.0),
+        {0: (1.0, 1.0, 4.0, 1.0)},
+    ),
+    (
+        # Waited at its own issue position: nothing to hide under, the full 0.5 s is exposed.
+        "wait at the issue position",
+        [1.0, 1.0, 1.0, 1.0],
+        [d2h(0, 0.5, 2, 2)],
+        4.5,
+        0.5,
+        (0.0, 1.0, 2.5, 3.5),
+        {0: (2.0, 2.0, 2.5, 0.5)},
+    ),
+    (
+        # Two 1.5 s D2H copies issued together run one after the other: [0, 1.5] and [1.5, 3].
+        # Waited before step 2 (t=2), the second stalls 1 s.
+        "channel contention: two D2H copies in series",
+        [1.0, 1.0, 1.0, 1.0],
+        [d2h(0, 1.5, 0, 2), d2h(1, 1.5, 0, 2)],
+        5.0,
+        1.0,
+        (0.0, 1.0, 3.0, 4.0),
+        {0: (0.0, 0.0, 1.5, 0.0), 1: (0.0, 1.5, 3.0, 1.0)},
+    ),
+    (
+        # The same two copies in opposite directions use separate channels and run together.
+        "no contention across directions",
+        [1.0, 1.0, 1.0, 1.0],
+        [d2h(0, 1.5, 0, 2), h2d(1, 1.5, 0, 2)],
+        4.0,
+        0.0,
+        (0.0, 1.0, 2.0, 3.0),
+        {0: (0.0, 0.0, 1.5, 0.0), 1: (0.0, 0.0, 1.5, 0.0)},
+    ),
+    (
+        # A copy issued while its channel is busy starts when the channel frees: B is issued at
+        # t=2 but A occupies the channel until 3; B runs [3, 4] and is waited at the end (t=4).
+        "issue while the channel is busy",
+        [1.0, 1.0, 1.0, 1.0],
+        [d2h(0, 3.0, 0, 4), d2h(1, 1.0, 2, 4)],
+        4.0,
+        0.0,
+        (0.0, 1.0, 2.0, 3.0),
+        {0: (0.0, 0.0, 3.0, 0.0), 1: (2.0, 3.0, 4.0, 0.0)},
+    ),
+    (
+        # Waited after the last step (position n): the 5 s copy stalls the end by 3 s.
+        "wait after the last step",
+        [1.0, 1.0],
+        [h2d(0, 5.0, 0, 2)],
+        5.0,
+        3.0,
+        (0.0, 1.0),
+        {0: (0.0, 0.0, 5.0, 3.0)},
+    ),
+    (
+        # Two waits at one position: the D2H (ends 2) stalls 1 s, then the H2D (ends 3) 1 s more.
+        "two stalls at one position add",
+        [1.0, 1.0, 1.0],
+        [d2h(0, 2.0, 0, 1), h2d(1, 3.0, 0, 1)],
+        5.0,
+        2.0,
+        (0.0, 3.0, 4.0),
+        {0: (0.0, 0.0, 2.0, 1.0), 1: (0.0, 0.0, 3.0, 1.0)},
+    ),
+    (
+        # An H2D prefetch issued before step 1 (t=1) and waited before step 3 (t=3.5) hides under
+        # steps 1 and 2 (2.5 s) although it takes 2 s; a D2H of 0.25 s waited right away is exposed.
+        "prefetch hides under two steps, tiny D2H exposed",
+        [1.0, 2.0, 0.5, 1.0],
+        [h2d(0, 2.0, 1, 3), d2h(1, 0.25, 3, 3)],
+        4.75,
+        0.25,
+        (0.0, 1.0, 3.0, 3.75),
+        {0: (1.0, 1.0, 3.0, 0.0), 1: (3.5, 3.5, 3.75, 0.25)},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "steps, copies, total, exposed, starts, per_copy",
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_hand_computed_timelines(steps, copies, total, exposed, starts, per_copy):
+    tl = simulate(steps, copies)
+    assert tl.step_seconds == total
+    assert tl.exposed_seconds == exposed
+    assert tl.compute_seconds == sum(steps)
+    assert tl.step_start == starts
+    got = {c.id: (c.issue, c.start, c.end, c.stall) for c in tl.copies}
+    assert got == per_copy
+    assert [c.direction for c in tl.copies] == [c.direction for c in sorted(copies, key=lambda c: c.id)]
+
+
+def test_copies_come_back_sorted_by_id():
+    copies = [d2h(3, 1.0, 0, 1), h2d(1, 1.0, 0, 1), d2h(2, 1.0, 0, 1)]
+    tl = simulate([1.0, 1.0], copies)
+    assert [c.id for c in tl.copies] == [1, 2, 3]
+
+
+def test_contention_order_follows_issue_order_within_a_position():
+    # Both issued at position 0: the first in the list gets the channel first.
+    tl = simulate([1.0], [d2h(7, 2.0, 0, 1), d2h(5, 1.0, 0, 1)])
+    by_id = {c.id: c for c in tl.copies}
+    assert (by_id[7].start, by_id[7].end) == (0.0, 2.0)
+    assert (by_id[5].start, by_id[5].end) == (2.0, 3.0)
+    assert tl.step_seconds == 3.0
+
+
+def test_empty_schedule():
+    tl = simulate([], [])
+    assert (tl.step_seconds, tl.exposed_seconds, tl.compute_seconds, tl.step_start, tl.copies) == (
+        0.0,
+        0.0,
+        0.0,
+        (),
+        (),
+    )
+
+
+def test_copy_on_an_empty_schedule_is_waited_at_position_zero():
+    tl = simulate([], [d2h(0, 2.0, 0, 0)])
+    assert (tl.step_seconds, tl.exposed_seconds) == (2.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    "issue, wait",
+    [(2, 1), (-1, 1), (0, 4), (5, 5)],
+    ids=["wait before issue", "negative issue", "wait past the end", "both past the end"],
+)
+def test_invalid_positions_raise(issue, wait):
+    with pytest.raises(ValueError, match="copy 9: issue position"):
+        simulate([1.0, 1.0, 1.0], [d2h(9, 1.0, issue, wait)])
+
+
+# ------------------------------------------------------------------------------ properties
+@st.composite
+def schedules(draw, integral: bool):
+    n = draw(st.integers(0, 8))
+    if integral:
+        dur = st.integers(0, 6).map(float)
+    else:
+        dur = st.floats(0.0, 5.0, allow_nan=False, allow_infinity=False)
+    steps = draw(st.lists(dur, min_size=n, max_size=n))
+    num = draw(st.integers(0, 6))
+    copies = []
+    for i in range(num):
+        issue = draw(st.integers(0, n))
+        wait = draw(st.integers(issue, n))
+        direction = draw(st.sampled_from(["d2h", "h2d"]))
+        copies.append(CopyTask(i, direction, draw(dur), issue, wait))
+    return steps, copies
+
+
+@settings(max_examples=300, deadline=None)
+@given(schedules(integral=True))
+def test_property_bounds_and_decomposition_exact(schedule):
+    steps, copies = schedule
+    tl = simulate(steps, copies)
+    compute = sum(steps)
+    total_h2d = sum(c.seconds for c in copies if c.direction == "h2d")
+    total_d2h = sum(c.seconds for c in copies if c.direction == "d2h")
+    # Every copy is waited for at or before the end, and each channel runs one copy at a time.
+    assert tl.step_seconds >= max(compute, total_h2d, total_d2h)
+    # Integers: all sums are exact.
+    assert tl.step_seconds == compute + tl.exposed_seconds
+    assert tl.exposed_seconds == sum(c.stall for c in tl.copies)
+
+
+@settings(max_examples=300, deadline=None)
+@given(schedules(integral=False))
+def test_property_timeline_is_consistent(schedule):
+    steps, copies = schedule
+    tl = simulate(steps, copies)
+    compute = sum(steps)
+    total_h2d = sum(c.seconds for c in copies if c.direction == "h2d")
+    total_d2h = sum(c.seconds for c in copies if c.direction == "d2h")
+    eps = 1e-9 * (1 + compute + total_h2d + total_d2h)
+    assert tl.step_seconds >= max(compute, total_h2d, total_d2h) - eps
+    assert tl.step_seconds == pytest.approx(compute + tl.exposed_seconds, rel=1e-12, abs=1e-12)
+    assert tl.exposed_seconds >= 0
+    # Steps run in order, none shorter than its duration.
+    assert len(tl.step_start) == len(steps)
+    ends = list(tl.step_start[1:]) + [tl.step_seconds]
+    for start, end, d in zip(tl.step_start, ends, steps):
+        assert end - start >= d - eps
+    by_id = {c.id: c for c in copies}
+    for direction in ("d2h", "h2d"):
+        timings = [t for t in tl.copies if t.direction == direction]
+        for t in timings:
+            c = by_id[t.id]
+            assert t.start >= t.issue
+            assert t.end == pytest.approx(t.start + c.seconds)
+            assert t.stall >= 0
+            # The wait position's time is at or after the copy's end.
+            wait_time = tl.step_start[c.wait_pos] if c.wait_pos < len(steps) else tl.step_seconds
+            assert wait_time >= t.end - eps
+        # One at a time on a channel.
+        spans = sorted((t.start, t.end) for t in timings)
+        for (_s0, e0), (s1, _e1) in itertools.pairwise(spans):
+            assert s1 >= e0 - eps
