@@ -7,7 +7,9 @@ import sys
 USAGE = """usage: python -m offload_compiler COMMAND [options]
 
 commands:
-  demo    train a character-level GPT with and without trinity and compare (the main job)
+  demo       train a character-level GPT with and without trinity and compare (the main job)
+  plan       will a model's training step fit a GPU, and how fast? (fake tensors, no GPU needed)
+  calibrate  measure this machine's FLOP/s and bandwidths for the cost model (JSON)
 
 Run a command with --help for its options."""
 
@@ -22,6 +24,14 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(rest)
+    if command == "plan":
+        from .plan_cli import main as plan_main
+
+        return plan_main(rest)
+    if command == "calibrate":
+        from .calibrate import main as calibrate_main
+
+        return calibrate_main(rest)
     print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -47,6 +47,10 @@ class DeviceSpec:
         d2h_bytes_per_s: pinned device-to-host copy bandwidth, bytes/s.
         pcie_gen, pcie_width: host link (0 when not PCIe, e.g. the CPU host entry).
         launch_overhead_s: fixed cost per kernel, seconds.
+        pageable_factor: bandwidth of a copy from or to pageable (not pinned) host memory, as a
+            fraction of the pinned figure. 0.5 after NVIDIA's measurements of staged pageable
+            copies (M. Harris, "How to Optimize Data Transfers in CUDA C/C++", NVIDIA blog, 2012);
+            1.0 where host and device are the same memory.
         source: where the figures come from.
     """
 
@@ -61,7 +65,15 @@ class DeviceSpec:
     pcie_gen: int = 0
     pcie_width: int = 0
     launch_overhead_s: float = 5e-6
+    pageable_factor: float = 0.5
     source: str = ""
+
+    def transfer_bytes_per_s(self, direction: str, pinned: bool = True) -> float:
+        """Copy bandwidth (bytes/s) host-to-device (``"h2d"``) or device-to-host (``"d2h"``)."""
+        if direction not in ("h2d", "d2h"):
+            raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+        bw = self.h2d_bytes_per_s if direction == "h2d" else self.d2h_bytes_per_s
+        return bw if pinned else bw * self.pageable_factor
 
     def peak_flops(self, dtype: torch.dtype, allow_tf32: bool = False) -> float:
         """Peak FLOP/s for a matmul-like op in ``dtype``."""

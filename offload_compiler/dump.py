@@ -10,6 +10,7 @@ Layout of ``<dump_dir>/graph_<id>/``::
     plan.json                    the plan (evictions, copy placement, predictions)
     report.json                  the report (as offload_compiler.last_report() returns it)
     memory.png                   live device bytes over the joint schedule, before and after
+    timeline.json                the simulated schedule as a Chrome trace (Perfetto, chrome://tracing)
 
 Each graph is ``GraphModule.print_readable`` with shapes, strides and devices; nodes trinity
 inserted or changed carry a ``# trinity: ...`` comment above them.

@@ -196,6 +196,8 @@ class TrinityOptions:
             half of the machine's physical memory.
         device: a key of ``offload_compiler.devices.KNOWN_DEVICES`` (e.g. ``"h100-sxm"``) whose
             figures the cost model uses instead of detecting the device.
+        calibration: a JSON file written by ``python -m offload_compiler calibrate``; its measured
+            figures replace the device table's (the options below still win).
         peak_flops: override of the device's peak FLOP/s (all dtypes).
         hbm_bytes_per_s: override of the device's memory bandwidth (bytes/s).
         h2d_bytes_per_s: override of host-to-device copy bandwidth (bytes/s).
@@ -213,6 +215,7 @@ class TrinityOptions:
     budget_reserve_bytes: int = 1 << 30
     host_pool_limit_bytes: int | None = None
     device: str | None = None
+    calibration: Path | None = None
     peak_flops: float | None = None
     hbm_bytes_per_s: float | None = None
     h2d_bytes_per_s: float | None = None
@@ -318,6 +321,18 @@ def _validate(name: str, value: Any, where: str) -> Any:
         if value not in _ON_INFEASIBLE:
             raise bad("one of " + ", ".join(repr(v) for v in _ON_INFEASIBLE))
         return value
+    if name == "calibration":
+        if value is None:
+            return None
+        if not isinstance(value, (str, os.PathLike)) or str(value) == "":
+            raise bad("the path of a JSON file written by `python -m offload_compiler calibrate`")
+        from .calibrate import load_calibration
+
+        try:
+            load_calibration(value)
+        except ValueError as exc:
+            raise ValueError(f"trinity option {where!r}: {exc}") from None
+        return Path(value)
     if name == "dump_dir":
         if value is None:
             return None

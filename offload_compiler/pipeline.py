@@ -30,7 +30,7 @@ from .devices import DeviceSpec, detect_device_spec
 from .dump import GraphDumper
 from .graph_pair import GraphPair
 from .options import MemoryBudget, TrinityOptions
-from .passes import cost_model, insert_transfers, liveness, plan_window, reorder, verify
+from .passes import cost_model, insert_transfers, liveness, plan_window, reorder, simulate, verify
 from .report import TrinityReport, next_graph_id, record_report
 from .runtime.transfer import TransferRuntime
 
@@ -197,6 +197,12 @@ class CompileSession:
             dumper.text("plan.json", the_plan.to_json())
             after = plan_window.planned_live_bytes(live, the_plan.evictions)
             dumper.memory_plot(live.live_bytes(), after, budget, live.num_fw_steps)
+            t0 = time.perf_counter()
+            timeline = simulate.simulate_pair(
+                pair, costs.device, assume_fusion=opts.inner == "inductor", pinned=costs.pinned
+            )
+            dumper.json("timeline.json", timeline.chrome_trace())
+            seconds["simulate"] = time.perf_counter() - t0
         report = TrinityReport(
             graph_id=graph_id,
             device=str(self.device),

@@ -42,17 +42,19 @@ class Costs:
         step_seconds: seconds per step, aligned with :attr:`Liveness.steps`.
         step_flops: FLOPs per step.
         step_bytes: bytes read plus written per step.
+        pinned: whether the host side of copies is pinned memory.
     """
 
     device: DeviceSpec
     step_seconds: tuple[float, ...]
     step_flops: tuple[int, ...]
     step_bytes: tuple[int, ...]
+    pinned: bool = True
 
     def transfer_seconds(self, nbytes: int, direction: Literal["d2h", "h2d"]) -> float:
-        """Seconds to copy ``nbytes`` over the host link in ``direction`` (pinned memory)."""
-        bw = self.device.d2h_bytes_per_s if direction == "d2h" else self.device.h2d_bytes_per_s
-        return nbytes / bw
+        """Seconds to copy ``nbytes`` over the host link in ``direction``; host memory is pinned
+        when ``pinned`` (trinity's host pool is pinned on CUDA), else pageable."""
+        return nbytes / self.device.transfer_bytes_per_s(direction, self.pinned)
 
     @property
     def compute_seconds(self) -> float:
@@ -60,8 +62,16 @@ class Costs:
 
 
 def apply_overrides(spec: DeviceSpec, options: TrinityOptions) -> DeviceSpec:
-    """``spec`` with the options' device overrides applied (``peak_flops`` sets every dtype)."""
+    """``spec`` with a calibration file's figures, then the options' device overrides, applied
+    (``peak_flops`` sets every dtype)."""
     fields: dict = {}
+    if options.calibration is not None:
+        from ..calibrate import load_calibration
+
+        fields.update(load_calibration(options.calibration))
+        fields["source"] = f"{spec.source}; calibrated ({options.calibration})"
+        spec = replace(spec, **fields)
+        fields = {}
     if options.peak_flops is not None:
         fields.update(flops_fp32=options.peak_flops, flops_tf32=options.peak_flops, flops_bf16=options.peak_flops)
     if options.hbm_bytes_per_s is not None:
@@ -118,8 +128,10 @@ def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, i
     return flops, nbytes, seconds
 
 
-def estimate(pair: GraphPair, liveness: Liveness, spec: DeviceSpec) -> Costs:
-    """Time every step of ``liveness``'s joint schedule on ``spec``."""
+def estimate(pair: GraphPair, liveness: Liveness, spec: DeviceSpec, pinned: bool = True) -> Costs:
+    """Time every step of ``liveness``'s joint schedule on ``spec``. ``pinned`` selects the copy
+    bandwidth: trinity's host pool is pinned wherever there are copy streams (CUDA); on the CPU
+    the ``cpu`` entry's figures are memory copies, for which pinning means nothing."""
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
     nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
     if len(nodes) != liveness.num_steps:
@@ -133,4 +145,6 @@ def estimate(pair: GraphPair, liveness: Liveness, spec: DeviceSpec) -> Costs:
         flops.append(f)
         nbytes.append(b)
         seconds.append(s)
-    return Costs(device=spec, step_seconds=tuple(seconds), step_flops=tuple(flops), step_bytes=tuple(nbytes))
+    return Costs(
+        device=spec, step_seconds=tuple(seconds), step_flops=tuple(flops), step_bytes=tuple(nbytes), pinned=pinned
+    )

@@ -356,6 +356,8 @@ def _select(cands, cur: np.ndarray, budget: int, exposure, change) -> None:
     size = np.array([c.size for c in cands], dtype=np.int64)
     lo_e = np.array([c.lo_e for c in cands])
     hi_p = np.array([c.hi_p for c in cands])
+    # Copy time each candidate would expose at its ideal window (0: it hides under compute).
+    exposed_ideal = np.array([exposure(c, c.e, c.p) for c in cands])
 
     def tightened(c: _Cand, t: int) -> tuple[int, int]:
         """The window of ``c`` moved just enough to cover ``t`` and the over-budget steps next to
@@ -380,11 +382,15 @@ def _select(cands, cur: np.ndarray, budget: int, exposure, change) -> None:
         e = np.array([c.e for c in cands])
         p = np.array([c.p for c in cands])
         sel = np.array([c.selected for c in cands])
-        # 1) an unselected candidate whose ideal window covers t: largest first.
+        # 1) an unselected candidate whose ideal window covers t: those whose copies hide fully
+        #    first, largest first (a long idle gap and a large size); then the fewest exposed
+        #    seconds per byte saved.
         ideal = (~sel) & (e < t) & (t < p)
         if ideal.any():
             idx = np.flatnonzero(ideal)
-            c = cands[int(idx[np.argmax(size[idx])])]
+            keys = exposed_ideal[idx] / size[idx]
+            best = np.lexsort((-size[idx], keys))[0]
+            c = cands[int(idx[best])]
             c.selected = True
             cur += change(c, c.e, c.p)
             continue

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["CopyTask", "CopyTiming", "Timeline", "simulate"]
+__all__ = ["CopyTask", "CopyTiming", "Timeline", "simulate", "PairTimeline", "simulate_pair"]
 
 
 @dataclass(frozen=True)
@@ -103,4 +103,127 @@ def simulate(step_seconds: Sequence[float], copies: Sequence[CopyTask]) -> Timel
         exposed_seconds=exposed,
         step_start=tuple(starts),
         copies=copies_out,
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# The simulator applied to a rewritten graph pair.
+
+
+@dataclass(frozen=True)
+class PairTimeline:
+    """The simulated schedule of a rewritten forward/backward pair (seconds, bytes).
+
+    Attributes:
+        timeline: the compute/copy timeline (see :class:`Timeline`).
+        step_names: ``"forward:node"`` / ``"backward:node"`` per step.
+        step_seconds: each step's compute time.
+        live_bytes: device bytes live at each step.
+        copy_names: the trinity node that issues each copy (by copy id).
+    """
+
+    timeline: Timeline
+    step_names: tuple[str, ...]
+    step_seconds: tuple[float, ...]
+    live_bytes: tuple[int, ...]
+    copy_names: tuple[str, ...]
+
+    @property
+    def step_time(self) -> float:
+        return self.timeline.step_seconds
+
+    @property
+    def exposed_seconds(self) -> float:
+        return self.timeline.exposed_seconds
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.live_bytes) if self.live_bytes else 0
+
+    def memory_over_time(self) -> list[tuple[float, int]]:
+        """(start time in seconds, live device bytes) of every step."""
+        return list(zip(self.timeline.step_start, self.live_bytes))
+
+    def chrome_trace(self) -> dict:
+        """The schedule in Chrome's trace-event format (Perfetto and chrome://tracing open it):
+        one track for compute, one per copy direction, a device-memory counter."""
+        us = 1e6
+        events: list[dict] = []
+        tids = {"compute": 1, "d2h": 2, "h2d": 3}
+        names = {
+            "compute": "compute stream",
+            "d2h": "D2H copies (device to host)",
+            "h2d": "H2D copies (host to device)",
+        }
+        for key, tid in tids.items():
+            events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": names[key]}})
+        events.append({"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "trinity simulated step"}})
+        for name, start, dur, live in zip(
+            self.step_names, self.timeline.step_start, self.step_seconds, self.live_bytes
+        ):
+            if dur > 0:
+                events.append(
+                    {
+                        "ph": "X",
+                        "pid": 1,
+                        "tid": tids["compute"],
+                        "name": name,
+                        "ts": start * us,
+                        "dur": dur * us,
+                        "args": {"live_device_bytes": live},
+                    }
+                )
+            events.append({"ph": "C", "pid": 1, "name": "device memory", "ts": start * us, "args": {"bytes": live}})
+        for c in self.timeline.copies:
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": 1,
+                    "tid": tids[c.direction],
+                    "name": self.copy_names[c.id],
+                    "ts": c.start * us,
+                    "dur": (c.end - c.start) * us,
+                    "args": {"issued_at_s": c.issue, "stall_s": c.stall},
+                }
+            )
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def simulate_pair(pair, spec, assume_fusion: bool = False, pinned: bool = True) -> PairTimeline:
+    """Simulate a (rewritten) graph pair on device figures ``spec``.
+
+    Copies are read from the graphs by op target: each ``trinity::evict`` issues a D2H copy of its
+    tensor's bytes, waited for at its ``evict_wait``; each ``trinity::prefetch`` an H2D copy,
+    waited for at its ``prefetch_wait``. Compute times come from the cost model, live bytes from
+    liveness, both on the rewritten graphs.
+    """
+    from ..runtime.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
+    from ..runtime.transfer import span_bytes
+    from . import cost_model, liveness
+
+    live = liveness.analyze(pair, assume_fusion=assume_fusion)
+    costs = cost_model.estimate(pair, live, spec, pinned=pinned)
+    nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    tasks: list[CopyTask] = []
+    names: list[str] = []
+    for n in nodes:
+        if n.op != "call_function" or n.target not in (EVICT, PREFETCH):
+            continue
+        wait_target = EVICT_WAIT if n.target is EVICT else PREFETCH_WAIT
+        waits = [u for u in n.users if u.op == "call_function" and u.target is wait_target and u.args[0] is n]
+        val = n.meta["val"]
+        from ..graph_pair import hint_int
+
+        nbytes = span_bytes(
+            tuple(hint_int(s) for s in val.shape), tuple(hint_int(s) for s in val.stride()), val.element_size()
+        )
+        direction = "d2h" if n.target is EVICT else "h2d"
+        wait_pos = index[waits[0]] if waits else len(nodes)
+        tasks.append(CopyTask(len(tasks), direction, costs.transfer_seconds(nbytes, direction), index[n], wait_pos))
+        names.append(f"{'evict' if direction == 'd2h' else 'prefetch'} {n.name} ({nbytes} bytes)")
+    timeline = simulate(costs.step_seconds, tasks)
+    step_names = tuple(f"{s.graph}:{s.node}" for s in live.steps)
+    return PairTimeline(
+        timeline, step_names, tuple(costs.step_seconds), tuple(int(b) for b in live.live_bytes()), tuple(names)
     )

@@ -1,0 +1,338 @@
+"""``python -m offload_compiler plan``: will this model's training step fit, and how fast?
+
+Traces the training step on fake tensors (nothing real is allocated: a 7B model plans on a
+laptop), runs the same passes as the backend (reorder, liveness, cost model, planner) for each
+budget against a device's figures, and prints a table: parameters, the peak without offloading,
+the planned peak, the predicted step time and the copy time left exposed. Optimizer state
+(``adamw``: two tensors per parameter; ``sgd``: one momentum tensor; ``none``) is resident device
+memory and counts in every peak. It draws the memory/time frontier over the budgets as a PNG and
+names the smallest budget whose predicted step is within 5% of the step without offloading.
+
+This is the "impossible trinity" made explicit: a larger model, a faster step or a cheaper GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .devices import KNOWN_DEVICES, DeviceSpec, lookup_device
+from .options import MemoryBudget, format_bytes, parse_size
+from .passes import cost_model, liveness, plan_window, reorder
+
+__all__ = ["PlanRow", "plan_model", "main"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One budget's plan (bytes include the optimizer state; seconds are predictions)."""
+
+    budget: str
+    budget_bytes: int
+    planned_peak_bytes: int
+    lowest_reachable_bytes: int
+    feasible: bool
+    predicted_step_seconds: float
+    exposed_seconds: float
+    evicted_bytes: int
+    num_evicted: int
+    fits_device: bool
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    model: str
+    device: DeviceSpec
+    num_params: int
+    param_bytes: int
+    optimizer_state_bytes: int
+    unplanned_peak_bytes: int
+    compute_seconds: float
+    rows: tuple[PlanRow, ...]
+    trace_seconds: float
+    plan_seconds: float
+
+    def within_5_percent(self) -> PlanRow | None:
+        """The feasible row with the smallest budget whose step is within 5% of no offloading."""
+        ok = [r for r in self.rows if r.feasible and r.predicted_step_seconds <= 1.05 * self.compute_seconds]
+        return min(ok, key=lambda r: r.budget_bytes) if ok else None
+
+
+def _build(model: str, seq_len: int, hf_overrides: dict):
+    if model.startswith("hf:"):
+        try:
+            from transformers import AutoConfig, AutoModelForCausalLM
+        except ImportError:
+            raise ValueError(f"model {model!r} needs the transformers package (pip install transformers)") from None
+        model_type = model[3:]
+        try:
+            config = AutoConfig.for_model(model_type, **hf_overrides)
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"model {model!r}: transformers has no model type {model_type!r} ({exc})") from None
+
+        class _Logits(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = AutoModelForCausalLM.from_config(config)
+
+            def forward(self, idx):
+                return self.inner(input_ids=idx, use_cache=False).logits
+
+        return (lambda: _Logits()), config.vocab_size
+    from .models.presets import get_preset
+
+    preset = get_preset(model)
+    if preset.max_seq_len is not None and seq_len > preset.max_seq_len:
+        raise ValueError(f"model {model!r} takes sequences up to {preset.max_seq_len}, got --seq-len {seq_len}")
+    return (lambda: preset.build(seq_len)), preset.vocab_size
+
+
+def plan_model(
+    model: str,
+    device: DeviceSpec,
+    budgets: list[str],
+    batch: int = 1,
+    seq_len: int = 1024,
+    dtype: torch.dtype = torch.bfloat16,
+    optimizer: str = "adamw",
+    min_offload_bytes: int = 1 << 20,
+    hf_overrides: dict | None = None,
+) -> PlanResult:
+    """Plan ``model``'s training step for each budget on ``device`` (see the module docstring).
+
+    Budgets are sizes (``"24GiB"``), percentages of the peak without offloading (``"50%"``) or
+    ``"device"`` (the device's memory).
+
+    Raises:
+        ValueError: for an unknown model, optimizer or a malformed budget, naming it.
+    """
+    from .trace import trace_training_step
+
+    if optimizer not in _OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; one of {', '.join(_OPTIMIZER_STATES)}")
+    parsed = []
+    for b in budgets:
+        if b == "device":
+            parsed.append((b, MemoryBudget("bytes", float(device.memory_bytes))))
+        else:
+            try:
+                mb = MemoryBudget.parse(b, key="--budgets")
+            except ValueError:
+                mb = None
+            if mb is None or mb.kind not in ("bytes", "fraction"):
+                raise ValueError(f"--budgets: {b!r} is not a size ('24GiB'), a percentage ('50%') or 'device'")
+            parsed.append((b, mb))
+    build, vocab = _build(model, seq_len, hf_overrides or {})
+    t0 = time.perf_counter()
+    traced = trace_training_step(build, batch, seq_len, vocab, dtype)
+    trace_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    pair = traced.pair
+    reorder.hoist_frees(pair.forward)
+    reorder.hoist_frees(pair.backward)
+    live = liveness.analyze(pair, assume_fusion=True)
+    costs = cost_model.estimate(pair, live, device)
+    state = _OPTIMIZER_STATES[optimizer] * traced.param_bytes
+    unplanned = live.peak_bytes + state
+    # The lowest peak any plan reaches: every candidate evicted as tightly as possible.
+    lowest = plan_window.plan(live, costs, 0, min_offload_bytes).lowest_reachable_peak_bytes + state
+    rows = []
+    for text, budget in parsed:
+        total = int(budget.value * unplanned) if budget.kind == "fraction" else int(budget.value)
+        graph_budget = total - state
+        if total < lowest:
+            rows.append(PlanRow(text, total, lowest, lowest, False, float("nan"), float("nan"), 0, 0, False))
+            continue
+        p = plan_window.plan(live, costs, graph_budget, min_offload_bytes)
+        peak = p.peak_bytes_planned + state
+        rows.append(
+            PlanRow(
+                budget=text,
+                budget_bytes=total,
+                planned_peak_bytes=peak,
+                lowest_reachable_bytes=p.lowest_reachable_peak_bytes + state,
+                feasible=p.feasible,
+                predicted_step_seconds=p.predicted_step_seconds,
+                exposed_seconds=p.exposed_transfer_seconds,
+                evicted_bytes=p.evicted_bytes,
+                num_evicted=len(p.evictions),
+                fits_device=peak <= device.memory_bytes,
+            )
+        )
+    return PlanResult(
+        model=model,
+        device=device,
+        num_params=traced.num_params,
+        param_bytes=traced.param_bytes,
+        optimizer_state_bytes=state,
+        unplanned_peak_bytes=unplanned,
+        compute_seconds=costs.compute_seconds,
+        rows=tuple(rows),
+        trace_seconds=trace_seconds,
+        plan_seconds=time.perf_counter() - t0,
+    )
+
+
+def frontier_png(result: PlanResult, path: Path) -> Path:
+    """Planned peak against predicted step time, one point per budget (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    gib = 2**30
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    pts = [r for r in result.rows if r.predicted_step_seconds == r.predicted_step_seconds]
+    ax.plot(
+        [r.predicted_step_seconds * 1e3 for r in pts], [r.planned_peak_bytes / gib for r in pts], "o-", color="#1f77b4"
+    )
+    for r in pts:
+        label = r.budget + ("" if r.feasible else " (infeasible)")
+        ax.annotate(
+            label,
+            (r.predicted_step_seconds * 1e3, r.planned_peak_bytes / gib),
+            fontsize=7,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
+    ax.axhline(result.device.memory_bytes / gib, color="#d62728", linestyle="--", label=f"{result.device.name} memory")
+    ax.axvline(result.compute_seconds * 1e3, color="#999999", linestyle=":", label="step without offloading")
+    ax.set_xlabel("predicted step time (ms)")
+    ax.set_ylabel("planned peak device memory (GiB)")
+    ax.set_title(f"{result.model}: memory/time frontier")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m offload_compiler plan", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model",
+        default="gpt2-small",
+        help="a preset (demo, gpt2-small/medium/large/xl, llama-1b, llama-7b, llama3-8b, llama-13b) or hf:<model_type>",
+    )
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
+    parser.add_argument("--optimizer", default="adamw", help="adamw, sgd (momentum) or none")
+    parser.add_argument(
+        "--device", default="a100-80gb", help="a device from the table: " + ", ".join(sorted(KNOWN_DEVICES))
+    )
+    parser.add_argument("--device-memory", default=None, help="override the device's memory, e.g. 24GiB")
+    parser.add_argument(
+        "--budgets",
+        default="100%,90%,75%,60%,50%,40%,30%,25%,device",
+        help="comma-separated sizes, percentages or 'device'",
+    )
+    parser.add_argument("--min-offload-bytes", default="1MiB")
+    parser.add_argument("--png", default="plan_frontier.png", help="where to draw the frontier ('' for none)")
+    parser.add_argument(
+        "--hf", action="append", default=[], metavar="KEY=VALUE", help="config override for hf: models (repeatable)"
+    )
+    args = parser.parse_args(argv)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(120, Console().width))
+    try:
+        if args.dtype not in _DTYPES:
+            raise ValueError(f"--dtype {args.dtype!r} is not one of {', '.join(_DTYPES)}")
+        spec = lookup_device(args.device)
+        if args.device_memory:
+            from dataclasses import replace
+
+            spec = replace(spec, memory_bytes=parse_size("--device-memory", args.device_memory))
+        overrides = {}
+        for item in args.hf:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--hf {item!r}: expected KEY=VALUE")
+            overrides[key] = int(value) if value.isdigit() else value
+        result = plan_model(
+            args.model,
+            spec,
+            [b.strip() for b in args.budgets.split(",") if b.strip()],
+            args.batch,
+            args.seq_len,
+            _DTYPES[args.dtype],
+            args.optimizer,
+            parse_size("--min-offload-bytes", args.min_offload_bytes),
+            overrides,
+        )
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    console.print(
+        f"[bold]{result.model}[/bold]: {result.num_params / 1e9:.3g}B parameters ({format_bytes(result.param_bytes)}), "
+        f"batch {args.batch} x {args.seq_len} tokens, {args.dtype}, optimizer {args.optimizer} "
+        f"({format_bytes(result.optimizer_state_bytes)} of state) on {spec.name} "
+        f"({format_bytes(spec.memory_bytes)}, {spec.h2d_bytes_per_s / 1e9:.0f} GB/s host link)"
+    )
+    console.print(
+        f"peak without offloading {format_bytes(result.unplanned_peak_bytes)}; step without offloading "
+        f"{result.compute_seconds * 1e3:.1f} ms (predicted); traced in {result.trace_seconds:.1f} s, planned "
+        f"{len(result.rows)} budgets in {result.plan_seconds:.1f} s"
+    )
+    table = Table()
+    for col in ("budget", "budget bytes", "planned peak", "fits device", "step (pred.)", "exposed copy", "evicted"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in result.rows:
+        if not r.feasible:
+            peak = f"[red]infeasible[/red]: lowest {format_bytes(r.lowest_reachable_bytes)}"
+        else:
+            peak = format_bytes(r.planned_peak_bytes)
+        step = f"{r.predicted_step_seconds * 1e3:.1f} ms" if r.feasible else ""
+        exposed = f"{r.exposed_seconds * 1e3:.1f} ms" if r.feasible else ""
+        table.add_row(
+            r.budget,
+            format_bytes(r.budget_bytes),
+            peak,
+            "yes" if r.fits_device and r.feasible else "no",
+            step,
+            exposed,
+            f"{format_bytes(r.evicted_bytes)} ({r.num_evicted})" if r.feasible else "",
+        )
+    console.print(table)
+    best = result.within_5_percent()
+    if best is not None:
+        console.print(
+            f"smallest budget within 5% of the no-offload step: [bold]{best.budget}[/bold] = "
+            f"{format_bytes(best.budget_bytes)} (peak {format_bytes(best.planned_peak_bytes)}, step "
+            f"{best.predicted_step_seconds * 1e3:.1f} ms)"
+        )
+    else:
+        console.print("no budget in the list keeps the predicted step within 5% of the no-offload step")
+    lowest = min(r.lowest_reachable_bytes for r in result.rows)
+    if lowest > spec.memory_bytes:
+        console.print(
+            f"[yellow]even offloading every saved activation, the step needs {format_bytes(lowest)} > "
+            f"{format_bytes(spec.memory_bytes)} on {spec.name}: parameters, gradients and optimizer state "
+            "dominate (offloading them is future work)[/yellow]"
+        )
+    if args.png:
+        console.print(f"frontier: {frontier_png(result, Path(args.png))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

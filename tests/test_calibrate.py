@@ -1,0 +1,53 @@
+"""calibrate: measured figures, the JSON file, and the backend option that uses it."""
+
+import json
+
+import pytest
+
+from offload_compiler.calibrate import CALIBRATION_FIELDS, calibrate, load_calibration, main
+from offload_compiler.devices import KNOWN_DEVICES
+from offload_compiler.options import TrinityOptions
+from offload_compiler.passes.cost_model import apply_overrides
+
+
+def test_quick_calibration_measures_every_figure(tmp_path):
+    figures = calibrate("cpu", quick=True)
+    for key in CALIBRATION_FIELDS:
+        assert figures[key] > 0, key
+    # A CPU does between 1e8 and 1e14 FLOP/s and moves between 1e8 and 1e12 bytes/s.
+    assert 1e8 < figures["flops_fp32"] < 1e14
+    assert 1e8 < figures["hbm_bytes_per_s"] < 1e12
+    assert figures["pageable_factor"] == 1.0
+
+
+def test_main_writes_json_the_options_accept(tmp_path):
+    out = tmp_path / "calib.json"
+    assert main(["--out", str(out), "--device", "cpu", "--quick"]) == 0
+    data = json.loads(out.read_text())
+    opts = TrinityOptions.from_user({"calibration": str(out), "h2d_bytes_per_s": 1e9}, env={})
+    spec = apply_overrides(KNOWN_DEVICES["a100-80gb"], opts)
+    assert spec.flops_fp32 == data["flops_fp32"]
+    assert spec.hbm_bytes_per_s == data["hbm_bytes_per_s"]
+    assert spec.d2h_bytes_per_s == data["d2h_bytes_per_s"]
+    assert spec.h2d_bytes_per_s == 1e9  # an explicit option wins over the calibration
+    assert "calibrated" in spec.source
+
+
+def test_bad_calibration_files_are_rejected(tmp_path):
+    missing = tmp_path / "missing.json"
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_calibration(missing)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        load_calibration(bad)
+    neg = tmp_path / "neg.json"
+    neg.write_text(json.dumps({"flops_fp32": -1}))
+    with pytest.raises(ValueError, match="flops_fp32 = -1 is not a positive number"):
+        load_calibration(neg)
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    with pytest.raises(ValueError, match="holds none of"):
+        load_calibration(empty)
+    with pytest.raises(ValueError, match="'calibration'"):
+        TrinityOptions.from_user({"calibration": str(neg)}, env={})
