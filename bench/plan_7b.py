@@ -17,16 +17,27 @@ from .common import write_result
 def main(argv=None) -> None:
     t0 = time.perf_counter()
     result = plan_model(
-        "llama-7b", KNOWN_DEVICES["a100-80gb"], ["100%", "90%", "75%", "50%", "device"],
-        batch=1, seq_len=4096, dtype=torch.bfloat16, optimizer="adamw",
+        "llama-7b",
+        KNOWN_DEVICES["a100-80gb"],
+        ["100%", "90%", "75%", "50%", "device"],
+        batch=1,
+        seq_len=4096,
+        dtype=torch.bfloat16,
+        optimizer="adamw",
     )
     wall = time.perf_counter() - t0
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     payload = {
-        "model": "llama-7b", "batch": 1, "seq_len": 4096, "dtype": "bfloat16", "optimizer": "adamw",
+        "model": "llama-7b",
+        "batch": 1,
+        "seq_len": 4096,
+        "dtype": "bfloat16",
+        "optimizer": "adamw",
         "device_figures": result.device.name,
         "num_params": result.num_params,
-        "wall_seconds": wall, "trace_seconds": result.trace_seconds, "plan_seconds": result.plan_seconds,
+        "wall_seconds": wall,
+        "trace_seconds": result.trace_seconds,
+        "plan_seconds": result.plan_seconds,
         "max_rss_bytes": max_rss,
         "unplanned_peak_bytes": result.unplanned_peak_bytes,
         "rows": [r.__dict__ for r in result.rows],
