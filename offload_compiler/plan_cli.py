@@ -91,7 +91,12 @@ def _build(model: str, seq_len: int, hf_overrides: dict):
                 self.inner = AutoModelForCausalLM.from_config(config)
 
             def forward(self, idx):
-                return self.inner(input_ids=idx, use_cache=False).logits
+                # transformers skips its data-dependent mask checks only while torch compiles;
+                # this trace is symbolic too, so say so while it runs.
+                from unittest import mock
+
+                with mock.patch("torch.compiler.is_compiling", lambda: True):
+                    return self.inner(input_ids=idx, use_cache=False).logits
 
         return (lambda: _Logits()), config.vocab_size
     from .models.presets import get_preset

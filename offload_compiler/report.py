@@ -92,6 +92,12 @@ class TrinityReport:
             f"{self.exposed_transfer_seconds * 1e3:.3f} ms of it exposed copies "
             f"(compute {self.compute_seconds * 1e3:.3f} ms)",
         ]
+        if self.compute_seconds > 0 and self.exposed_transfer_seconds > 0.05 * self.compute_seconds:
+            lines.append(
+                f"  note       the budget is met only with {self.exposed_transfer_seconds * 1e3:.3f} ms of copies "
+                f"not hidden under compute ({100 * self.exposed_transfer_seconds / self.compute_seconds:.0f}% of "
+                "compute); a larger budget or a faster host link hides them"
+            )
         if self.fallback_reason:
             lines.append(f"  fallback   {self.fallback_reason}")
         if self.dump_dir:

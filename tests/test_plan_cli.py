@@ -161,3 +161,37 @@ def test_bad_arguments_get_clear_errors(args, message, capsys):
     status = main(args + ["--png", ""])
     assert status == 2
     assert message in capsys.readouterr().out.replace("\n", "")
+
+
+def test_transformers_causal_lm_from_a_config():
+    pytest.importorskip("transformers")
+    overrides = {
+        "num_hidden_layers": 2,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1000,
+    }
+    r = plan_model(
+        "hf:llama",
+        A100,
+        ["100%", "60%"],
+        batch=4,
+        seq_len=128,
+        dtype=torch.float32,
+        optimizer="none",
+        min_offload_bytes=0,
+        hf_overrides=overrides,
+    )
+    # 2 layers of (q, o: 128x128; k, v: 128x64; gate, up, down: 128x256 each) + 2 norms per layer,
+    # the final norm, embeddings and head (1000x128 each, untied).
+    per_layer = 2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256 + 2 * 128
+    assert r.num_params == 2 * per_layer + 128 + 2 * 1000 * 128
+    assert r.rows[1].feasible and r.rows[1].num_evicted > 0
+
+
+def test_unknown_transformers_model_type():
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match="no model type 'nosuchmodel'"):
+        plan_model("hf:nosuchmodel", A100, ["100%"])
