@@ -18,7 +18,7 @@ import torch.fx as fx
 from .options import TrinityOptions
 from .pipeline import CompileSession, TrinityPartitioner
 from .runtime import ops as _ops  # noqa: F401  (registers the trinity::* ops)
-from .runtime.transfer import TransferRuntime
+from .runtime.transfer import FaultInjection, TransferRuntime
 
 __all__ = ["trinity", "default_host_pool_limit"]
 
@@ -87,7 +87,12 @@ def trinity(
         )
     opts = TrinityOptions.from_user(options)
     device = _device_of(example_inputs)
-    runtime = TransferRuntime(device, opts.host_pool_limit_bytes or default_host_pool_limit())
+    faults = None
+    if opts.fault_injection is not None:
+        if device.type != "cpu":
+            raise ValueError("trinity option 'fault_injection' is a CPU test mode; the graph runs on " + str(device))
+        faults = FaultInjection(seed=opts.fault_injection)
+    runtime = TransferRuntime(device, opts.host_pool_limit_bytes or default_host_pool_limit(), faults)
     session = CompileSession(opts, device, runtime)
     partitioner = TrinityPartitioner(session)
 

@@ -204,6 +204,9 @@ class TrinityOptions:
         d2h_bytes_per_s: override of device-to-host copy bandwidth (bytes/s).
         device_memory_bytes: override of the device's memory size (bytes).
         inductor_config: extra ``torch._inductor.config`` patches for ``inner="inductor"``.
+        fault_injection: a seed turns on the runtime's fault injection (for tests, on a CPU:
+            copies deferred to their waits, fresh buffers poisoned with NaN, pool blocks handed
+            out in random order; see ``offload_compiler.runtime.transfer.FaultInjection``).
     """
 
     memory_budget: MemoryBudget = field(default_factory=lambda: MemoryBudget("auto"))
@@ -222,6 +225,7 @@ class TrinityOptions:
     d2h_bytes_per_s: float | None = None
     device_memory_bytes: int | None = None
     inductor_config: tuple[tuple[str, Any], ...] = ()
+    fault_injection: int | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -375,6 +379,14 @@ def _validate(name: str, value: Any, where: str) -> Any:
             lookup_device(value)
         except ValueError:
             raise bad("a device name, one of " + ", ".join(sorted(KNOWN_DEVICES))) from None
+        return value
+    if name == "fault_injection":
+        if value is None:
+            return None
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise bad("None or a non-negative int seed")
         return value
     if name == "inductor_config":
         if isinstance(value, tuple) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):

@@ -29,6 +29,8 @@ EXPECTED_ALLOWED = sorted(
         "budget_reserve_bytes",
         "host_pool_limit_bytes",
         "device",
+        "calibration",
+        "fault_injection",
         "peak_flops",
         "hbm_bytes_per_s",
         "h2d_bytes_per_s",
@@ -299,6 +301,8 @@ def test_every_option_in_its_allowed_forms_round_trips(tmp_path):
 
 
 def test_a_full_options_dict_round_trips(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"flops_fp32": 1e12, "h2d_bytes_per_s": 2e10}))
     options = {
         "memory_budget": "6GiB",
         "inner": "eager",
@@ -315,6 +319,8 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "d2h_bytes_per_s": 2.4e10,
         "device_memory_bytes": "80GiB",
         "inductor_config": {"max_autotune": False},
+        "calibration": str(calibration),
+        "fault_injection": 7,
     }
     opts = build(options)
     assert opts.to_dict() == {
@@ -333,6 +339,8 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "d2h_bytes_per_s": 2.4e10,
         "device_memory_bytes": 80 * 2**30,
         "inductor_config": {"max_autotune": False},
+        "calibration": str(calibration),
+        "fault_injection": 7,
     }
     assert_round_trips(opts)
 

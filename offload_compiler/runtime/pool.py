@@ -15,6 +15,7 @@ Sizes are rounded up to a bucket: the next of 1, 1.25, 1.5 or 1.75 times a power
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import weakref
 from dataclasses import dataclass
@@ -113,11 +114,12 @@ class HostPool:
     Args:
         limit_bytes: the most bytes the pool may hold (blocks in use plus free blocks).
         pin_memory: allocate page-locked memory (only valid when CUDA is available).
+        shuffle_seed: fault injection for tests: hand out free blocks in a random order.
 
     Thread-safe. Stats via :meth:`stats`.
     """
 
-    def __init__(self, limit_bytes: int, pin_memory: bool = False):
+    def __init__(self, limit_bytes: int, pin_memory: bool = False, shuffle_seed: int | None = None):
         if limit_bytes <= 0:
             raise ValueError(f"HostPool limit_bytes must be positive, got {limit_bytes}")
         self.limit_bytes = int(limit_bytes)
@@ -129,6 +131,8 @@ class HostPool:
         self._allocations = 0
         self._reuses = 0
         self._releases = 0
+        # Fault injection (tests): hand out free blocks in a random order, not the first free one.
+        self._shuffle = random.Random(shuffle_seed) if shuffle_seed is not None else None
         _LIVE_POOLS.add(self)
 
     # ------------------------------------------------------------------ allocation
@@ -156,10 +160,13 @@ class HostPool:
 
     def _acquire_locked(self, nbytes: int) -> _Block:
         size = bucket_size(nbytes)
-        for block in self._blocks.get(size, ()):
-            if not block.in_use() and not block.copy_pending():
-                self._reuses += 1
-                return block
+        free = (b for b in self._blocks.get(size, ()) if not b.in_use() and not b.copy_pending())
+        if self._shuffle is not None:
+            choices = list(free)
+            free = iter([self._shuffle.choice(choices)] if choices else [])
+        for block in free:
+            self._reuses += 1
+            return block
         if self._held + size > self.limit_bytes:
             self._trim_locked(self._held + size - self.limit_bytes, keep=size)
         if self._held + size > self.limit_bytes:

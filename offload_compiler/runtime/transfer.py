@@ -14,6 +14,7 @@ temporary, and a view never drags the rest of its storage along.
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 import weakref
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import torch
 from .pool import HostPool, HostPoolStats
 from .streams import CopyStreams
 
-__all__ = ["TransferRuntime", "TransferStats", "get_runtime", "span_bytes"]
+__all__ = ["FaultInjection", "TransferRuntime", "TransferStats", "get_runtime", "span_bytes"]
 
 _ids = itertools.count(1)
 _registry: weakref.WeakValueDictionary[int, TransferRuntime] = weakref.WeakValueDictionary()
@@ -49,6 +50,24 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class FaultInjection:
+    """A test mode that makes ordering bugs show as wrong values on a CPU.
+
+    * every copy is deferred: it happens at its wait, or, with ``early_probability``, at some
+      later trinity op before that (a copy that "completes" at a random point);
+    * fresh host buffers and freshly allocated prefetch destinations are filled with NaN (all bits
+      set: NaN for floats, -1 for integers) before the copy that should fill them;
+    * the host pool hands out free blocks in a random order.
+
+    A missing wait, a reader before its wait, a prefetch before its eviction completed, or a host
+    block reused while still needed then reads NaN or another tensor's bytes.
+    """
+
+    seed: int = 0
+    early_probability: float = 0.25
+
+
+@dataclass(frozen=True)
 class TransferStats:
     """Counters of one runtime since it was created (bytes are view bytes, not block bytes)."""
 
@@ -66,13 +85,19 @@ class TransferRuntime:
     Args:
         device: the compute device of the graphs.
         host_pool_limit_bytes: the host pool's limit (bytes).
+        faults: a :class:`FaultInjection` test mode (CPU only), or ``None``.
     """
 
-    def __init__(self, device: torch.device, host_pool_limit_bytes: int):
+    def __init__(self, device: torch.device, host_pool_limit_bytes: int, faults: FaultInjection | None = None):
         self.device = torch.device(device)
         self.streams = CopyStreams(self.device)
-        self.pool = HostPool(host_pool_limit_bytes, pin_memory=self.streams.enabled)
+        self.faults = faults
+        self._rng = random.Random(faults.seed) if faults is not None else None
+        self.pool = HostPool(
+            host_pool_limit_bytes, pin_memory=self.streams.enabled, shuffle_seed=faults.seed if faults else None
+        )
         self._pending: dict[int, object] = {}
+        self._deferred: dict[int, object] = {}  # fault injection: key -> copy not yet done
         self._lock = threading.Lock()
         self._evicts = 0
         self._prefetches = 0
@@ -89,12 +114,17 @@ class TransferRuntime:
         ``src`` must stay alive until :meth:`evict_wait` (the graph passes it there)."""
         host = self.pool.empty_strided(tuple(src.shape), tuple(src.stride()), src.dtype)
         nbytes = span_bytes(tuple(src.shape), tuple(src.stride()), src.element_size())
-        if nbytes:
+        event = None
+        if self.faults is not None:
+            self._fault_tick()
+            _flat_bytes(host).fill_(0xFF)
+            if nbytes:
+                dst, source = _flat_bytes(host), _flat_bytes(src)
+                self._defer(host.untyped_storage().data_ptr(), lambda: dst.copy_(source))
+        elif nbytes:
             with self.streams.start_on(self.streams.d2h):
                 _flat_bytes(host).copy_(_flat_bytes(src), non_blocking=self.streams.enabled)
             event = self.streams.record(self.streams.d2h)
-        else:
-            event = None
         with self._lock:
             if event is not None:
                 self._pending[host.untyped_storage().data_ptr()] = event
@@ -104,6 +134,9 @@ class TransferRuntime:
 
     def evict_wait(self, host: torch.Tensor, src: torch.Tensor) -> None:
         """Make the compute stream wait for ``host``'s D2H copy; after this ``src`` may be freed."""
+        if self.faults is not None:
+            self._complete(host.untyped_storage().data_ptr())
+            self._fault_tick()
         with self._lock:
             event = self._pending.pop(host.untyped_storage().data_ptr(), None)
         self.streams.wait(event)
@@ -113,7 +146,13 @@ class TransferRuntime:
         dev = torch.empty_strided(tuple(host.shape), tuple(host.stride()), dtype=host.dtype, device=device)
         nbytes = span_bytes(tuple(host.shape), tuple(host.stride()), host.element_size())
         event = None
-        if nbytes:
+        if self.faults is not None:
+            self._fault_tick()
+            _flat_bytes(dev).fill_(0xFF)
+            if nbytes:
+                dst, source = _flat_bytes(dev), _flat_bytes(host)
+                self._defer(dev.untyped_storage().data_ptr(), lambda: dst.copy_(source))
+        elif nbytes:
             with self.streams.start_on(self.streams.h2d):
                 _flat_bytes(dev).copy_(_flat_bytes(host), non_blocking=self.streams.enabled)
             event = self.streams.record(self.streams.h2d)
@@ -130,9 +169,30 @@ class TransferRuntime:
 
     def prefetch_wait(self, dev: torch.Tensor) -> None:
         """Make the compute stream wait for ``dev``'s H2D copy."""
+        if self.faults is not None:
+            self._complete(dev.untyped_storage().data_ptr())
+            self._fault_tick()
         with self._lock:
             event = self._pending.pop(dev.untyped_storage().data_ptr(), None)
         self.streams.wait(event)
+
+    # ------------------------------------------------------------------ fault injection
+    def _defer(self, key: int, copy) -> None:
+        with self._lock:
+            self._deferred[key] = copy
+
+    def _complete(self, key: int) -> None:
+        with self._lock:
+            copy = self._deferred.pop(key, None)
+        if copy is not None:
+            copy()
+
+    def _fault_tick(self) -> None:
+        """At a trinity op: let some other deferred copies complete now (random timing)."""
+        with self._lock:
+            keys = [k for k in self._deferred if self._rng.random() < self.faults.early_probability]
+        for k in keys:
+            self._complete(k)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> TransferStats:
@@ -142,7 +202,7 @@ class TransferRuntime:
                 num_prefetches=self._prefetches,
                 bytes_d2h=self._bytes_d2h,
                 bytes_h2d=self._bytes_h2d,
-                pending_copies=len(self._pending),
+                pending_copies=len(self._pending) + len(self._deferred),
                 host_pool=self.pool.stats(),
             )
 

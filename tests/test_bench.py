@@ -1,0 +1,110 @@
+"""The benchmark machinery on tiny models (1-2 steps), so bench/ keeps working.
+
+Inductor-based methods are left out (their compiles take tens of seconds on a small CPU); the
+eager-inner ones go through the same runner code.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from bench import common, report
+from bench.memory import HOST_SCOPE, measure_peak
+from bench.methods import get_method
+from bench.models import MODEL_NAMES, get_model
+from bench.runner import RunConfig, run_method, run_model, slug
+from offload_compiler import measure_peak_device_bytes
+
+CONFIG = RunConfig(steps=2, warmup=1, size="tiny")
+
+
+def test_methods_on_tiny_gpt_train_identically():
+    rows = run_model(
+        get_model("gpt", "tiny"),
+        ["eager", "checkpoint", "save_on_cpu", "aot_eager", "trinity-eager-50%"],
+        CONFIG,
+        write=False,
+    )
+    by_key = {r["method"]["key"]: r for r in rows}
+    for key, row in by_key.items():
+        assert row["ok"], (key, row.get("error"), row.get("traceback"))
+        assert len(row["losses"]) == 2 and row["peak_bytes"] > 0 and row["median_step_seconds"] > 0
+    eager = by_key["eager"]
+    for key in ("checkpoint", "save_on_cpu", "aot_eager", "trinity-eager-50%"):
+        assert by_key[key]["losses"] == eager["losses"], key  # same weights, batches, optimizer
+        assert by_key[key]["vs_eager"]["key"] == "eager"
+    # Checkpointing and save_on_cpu (host copies counted as host) lower the peak.
+    assert by_key["checkpoint"]["peak_bytes"] < eager["peak_bytes"]
+    assert by_key["save_on_cpu"]["peak_bytes"] < eager["peak_bytes"]
+    assert by_key["save_on_cpu"]["host_bytes"] > 0
+    tri = by_key["trinity-eager-50%"]
+    assert tri["trinity"]["num_graphs"] >= 1 and tri["trinity"]["budget_bytes"] is not None
+    assert tri["vs_reference"]["key"] == "aot_eager"
+    assert by_key["aot_eager"]["compile_seconds"] is not None and eager["compile_seconds"] is None
+
+
+def test_results_json_table_and_frontier(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    run_model(get_model("resnet", "tiny"), ["eager", "checkpoint", "trinity-eager-50%"], CONFIG)
+    files = sorted((tmp_path / "runs" / "cpu" / "resnet").glob("*.json"))
+    assert [f.name for f in files] == ["checkpoint.json", "eager.json", f"{slug('trinity-eager-50%')}.json"]
+    record = json.loads(files[0].read_text())
+    for field in ("device", "torch", "command", "git_commit", "peak_bytes", "median_step_seconds", "final_loss"):
+        assert field in record
+    readme = report.write_report(tmp_path).read_text()
+    assert "| checkpoint per block (eager, non-reentrant) |" in readme
+    assert "say nothing about overlap" in readme and "No GPU run" in readme
+    assert (tmp_path / "frontier_cpu_resnet.png").stat().st_size > 0
+
+
+def test_failure_is_recorded_not_raised():
+    def broken(model, device):
+        raise RuntimeError("boom")
+
+    spec = get_model("vit", "tiny")
+    method = get_method("eager")
+    torch.manual_seed(0)
+    row = run_method(
+        spec, dataclasses.replace(method, prepare=broken), spec.build(), spec.make_batches(3, 0), CONFIG, None
+    )
+    assert not row["ok"] and "boom" in row["error"]
+
+
+def test_bench_replay_agrees_with_project_accounting():
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+    x = torch.randn(128, 64)
+
+    def step():
+        lin(x).sum().backward()
+        lin.zero_grad(set_to_none=True)
+
+    step()
+    resident = list(lin.parameters()) + [x]
+    ours = measure_peak(step, resident=resident, device=torch.device("cpu"), host_copies=True)
+    theirs = measure_peak_device_bytes(step, resident=resident, device="cpu")
+    assert ours.peak_bytes == theirs.peak_bytes
+
+    def with_host_copy():
+        with torch.profiler.record_function(HOST_SCOPE):
+            keep = torch.empty(1 << 20, dtype=torch.uint8)
+        step()
+        return keep
+
+    m = measure_peak(with_host_copy, resident=resident, device=torch.device("cpu"), host_copies=True)
+    assert m.host_pool_bytes >= 1 << 20 and m.peak_bytes == theirs.peak_bytes
+
+
+def test_registry_and_method_keys():
+    for name in MODEL_NAMES:
+        spec = get_model(name, "tiny")
+        assert spec.source and spec.description
+    assert "built-in" in get_model("vit", "tiny").source or "timm" in get_model("vit", "tiny").source
+    for key in ("eager", "inductor", "sac-0.5", "save_on_cpu", "torch-offload", "trinity-50%", "trinity-eager-1GiB"):
+        assert get_method(key, lambda m: []).key == key
+    for bad in ("nope", "sac-2", "trinity-lots"):
+        with pytest.raises(ValueError):
+            get_method(bad)
+    assert slug("trinity-50%") == "trinity-50pct"
