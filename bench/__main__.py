@@ -1,9 +1,9 @@
-"""``python -m bench``: the CPU benchmark suite (planner time, peak against budget)."""
+"""``python -m bench`` (``make bench``): the benchmark suite (every method on every model, the
+planner benches, then ``bench/results/README.md`` and the frontier PNGs). ``--help`` for options."""
 
-from . import peak_vs_budget, plan_7b, planner_time
+import sys
+
+from .suite import main
 
 if __name__ == "__main__":
-    planner_time.main([])
-    plan_7b.main([])
-    peak_vs_budget.main(["--inner", "inductor"])
-    peak_vs_budget.main(["--inner", "eager"])
+    sys.exit(main())

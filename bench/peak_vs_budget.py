@@ -1,121 +1,114 @@
 """Measured peak device bytes of the demo GPT's training step against eager and the same inner
 compiler without trinity, at budgets 25%, 50% and 75%.
 
-On CPU the peak is trinity's allocator-trace accounting (host pool excluded); on CUDA the caching
-allocator's peak. One forward and backward per measurement, after two warm-up steps.
+Folded into the suite: ``python -m bench`` writes ``peak_vs_budget_<inner>_<device>.json`` from its
+GPT runs (:func:`write_from_runs`); ``python -m bench.peak_vs_budget --inner eager`` runs just these
+methods through the same runner. On CPU the peak is trinity's allocator-trace accounting (host pool
+excluded); on CUDA the caching allocator's peak.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import statistics
-import time
-import warnings
+import json
 
 import torch
-import torch.nn.functional as F
-
-import offload_compiler
-from offload_compiler import measure_peak_device_bytes
-from offload_compiler.models import GPT, GPTConfig
 
 from .common import write_result
+from .models import SIZES, get_model
+from .runner import RunConfig, run_model
+
+__all__ = ["methods_for", "write_from_runs", "main"]
+
+BUDGETS = ("25%", "50%", "75%")
 
 
-class LossModel(torch.nn.Module):
-    def __init__(self, gpt):
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, x, y):
-        return F.cross_entropy(self.gpt(x).flatten(0, 1), y.flatten())
+def methods_for(inner: str) -> list[str]:
+    """The method keys of this bench for trinity's ``inner`` compiler."""
+    if inner == "eager":
+        return ["eager", "aot_eager"] + [f"trinity-eager-{b}" for b in BUDGETS]
+    return ["eager", "inductor"] + [f"trinity-{b}" for b in BUDGETS]
 
 
-def measure(name, model, fn, x, y, device, steps=5) -> dict:
-    for _ in range(2):
-        fn(x, y).backward()
-        model.zero_grad(set_to_none=True)
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn(x, y).backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-    m = measure_peak_device_bytes(
-        lambda: fn(x, y).backward(), resident=list(model.parameters()) + [x, y], device=device
-    )
-    model.zero_grad(set_to_none=True)
-    return {"method": name, "peak_bytes": m.peak_bytes, "median_step_seconds": statistics.median(times)}
-
-
-def run(
-    inner: str = "inductor", budgets=("25%", "50%", "75%"), layers=4, width=128, seq=128, batch=16, device=None
-) -> dict:
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch.manual_seed(0)
-    base = LossModel(GPT(GPTConfig(vocab_size=256, block_size=seq, n_layer=layers, n_head=4, n_embd=width))).to(device)
-    x = torch.randint(0, 256, (batch, seq), device=device)
-    y = torch.randint(0, 256, (batch, seq), device=device)
+def _rows(runs: list[dict], inner: str) -> list[dict] | None:
+    by_key = {r["method"]["key"]: r for r in runs}
+    keys = methods_for(inner)
+    if not all(k in by_key and by_key[k].get("ok") for k in keys):
+        return None
     rows = []
-    torch._dynamo.reset()
-    m = copy.deepcopy(base)
-    rows.append(measure("eager", m, m, x, y, device))
-    reference = "aot_eager" if inner == "eager" else "inductor"
-    torch._dynamo.reset()
-    m = copy.deepcopy(base)
-    rows.append(measure(f"torch.compile({reference})", m, torch.compile(m, backend=reference), x, y, device))
-    for budget in budgets:
-        torch._dynamo.reset()
-        m = copy.deepcopy(base)
-        before = len(offload_compiler.reports())
-        with warnings.catch_warnings(record=True):
-            compiled = torch.compile(
-                m,
-                backend="trinity",
-                options={"memory_budget": budget, "inner": inner, "on_infeasible": "warn"},
+    eager_peak = by_key["eager"]["peak_bytes"]
+    for k in keys:
+        r = by_key[k]
+        name = {"eager": "eager", "inductor": "torch.compile(inductor)", "aot_eager": "torch.compile(aot_eager)"}.get(k)
+        row = {
+            "method": name or f"trinity {r['method']['budget']}",
+            "peak_bytes": r["peak_bytes"],
+            "median_step_seconds": r["median_step_seconds"],
+        }
+        t = r.get("trinity")
+        if t:
+            row.update(
+                budget=r["method"]["budget"],
+                budget_bytes=t.get("budget_bytes"),
+                planned_peak_bytes=t.get("planned_peak_bytes"),
+                feasible=t.get("feasible"),
+                evicted_bytes=t.get("evicted_bytes"),
+                within_budget=t.get("within_budget"),
             )
-            row = measure(f"trinity {budget}", m, compiled, x, y, device)
-        r = offload_compiler.reports()[before]
-        row.update(
-            budget=budget,
-            budget_bytes=r.budget_bytes,
-            planned_peak_bytes=r.peak_bytes_planned,
-            feasible=r.feasible,
-            evicted_bytes=r.evicted_bytes,
-            within_budget=row["peak_bytes"] <= r.budget_bytes,
-        )
+        row["peak_vs_eager"] = r["peak_bytes"] / eager_peak
         rows.append(row)
-    eager_peak = rows[0]["peak_bytes"]
-    for row in rows:
-        row["peak_vs_eager"] = row["peak_bytes"] / eager_peak
-    return {
-        "model": {"layers": layers, "width": width, "seq": seq, "batch": batch},
-        "inner": inner,
-        "rows": rows,
-        "note": "on CPU, step times include synchronous host copies (memcpy) and say nothing about overlap",
-    }
+    return rows
+
+
+def write_from_runs(runs: list[dict], device: torch.device) -> list:
+    """Write ``peak_vs_budget_<inner>_<device>.json`` for each inner compiler whose rows are all in
+    ``runs`` (the suite's GPT results); returns the paths written."""
+    paths = []
+    if not runs:
+        return paths
+    size = runs[0]["config"]["size"]
+    g = SIZES[size]["gpt"]
+    for inner in ("inductor", "eager"):
+        rows = _rows(runs, inner)
+        if rows is None:
+            continue
+        payload = {
+            "model": {"layers": g["n_layer"], "width": g["n_embd"], "seq": g["seq"], "batch": g["batch"]},
+            "inner": inner,
+            "rows": rows,
+            "steps": runs[0]["config"]["steps"],
+            "optimizer": runs[0]["optimizer"],
+            "note": "written from the suite's GPT runs (bench/results/runs/); on CPU, step times include "
+            "synchronous host copies (memcpy) and say nothing about overlap",
+        }
+        paths.append(write_result(f"peak_vs_budget_{inner}_{device.type}", payload, device))
+    return paths
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--inner", choices=["inductor", "eager"], default="inductor")
+    parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args(argv)
-    result = run(args.inner)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    path = write_result(f"peak_vs_budget_{args.inner}_{device.type}", result, device)
-    print(f"{'method':28s} {'peak':>12s} {'vs eager':>9s} {'budget':>12s} {'step':>9s}")
-    for row in result["rows"]:
-        budget = f"{row['budget_bytes'] / 2**20:.2f} MiB" if row.get("budget_bytes") else ""
-        print(
-            f"{row['method']:28s} {row['peak_bytes'] / 2**20:9.2f} MiB {row['peak_vs_eager']:9.2f} {budget:>12s} "
-            f"{row['median_step_seconds'] * 1e3:7.1f} ms"
-        )
-    print(f"written {path}")
+    size = "gpu" if device.type == "cuda" else "cpu"
+    runs = run_model(
+        get_model("gpt", size),
+        methods_for(args.inner),
+        RunConfig(steps=args.steps, device=device.type, size=size),
+        write=False,  # the suite's per-run files stay the suite's
+    )
+    for row in runs:
+        if not row.get("ok"):
+            print(f"{row['method']['key']} failed: {row['error']}")
+    for path in write_from_runs(runs, device):
+        print(f"written {path}")
+        for row in json.loads(path.read_text())["rows"]:
+            budget = f"{row['budget_bytes'] / 2**20:.2f} MiB" if row.get("budget_bytes") else ""
+            print(
+                f"{row['method']:28s} {row['peak_bytes'] / 2**20:9.2f} MiB {row['peak_vs_eager']:9.2f} {budget:>12s} "
+                f"{row['median_step_seconds'] * 1e3:7.1f} ms"
+            )
 
 
 if __name__ == "__main__":

@@ -92,7 +92,9 @@ def trinity(
         if device.type != "cpu":
             raise ValueError("trinity option 'fault_injection' is a CPU test mode; the graph runs on " + str(device))
         faults = FaultInjection(seed=opts.fault_injection)
-    runtime = TransferRuntime(device, opts.host_pool_limit_bytes or default_host_pool_limit(), faults)
+    runtime = TransferRuntime(
+        device, opts.host_pool_limit_bytes or default_host_pool_limit(), faults, on_pool_full=opts.on_host_pool_full
+    )
     session = CompileSession(opts, device, runtime)
     partitioner = TrinityPartitioner(session)
 

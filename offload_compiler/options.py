@@ -194,6 +194,8 @@ class TrinityOptions:
         budget_reserve_bytes: with ``memory_budget="auto"`` on CUDA, bytes left free.
         host_pool_limit_bytes: the most host memory (bytes) the host pool may hold; ``None`` means
             half of the machine's physical memory.
+        on_host_pool_full: at that limit, ``"fallback"`` uses host memory outside the pool (with
+            a one-time warning); ``"error"`` raises ``HostPoolExhausted``.
         device: a key of ``offload_compiler.devices.KNOWN_DEVICES`` (e.g. ``"h100-sxm"``) whose
             figures the cost model uses instead of detecting the device.
         calibration: a JSON file written by ``python -m offload_compiler calibrate``; its measured
@@ -217,6 +219,7 @@ class TrinityOptions:
     min_offload_bytes: int = 1 << 20
     budget_reserve_bytes: int = 1 << 30
     host_pool_limit_bytes: int | None = None
+    on_host_pool_full: Literal["fallback", "error"] = "fallback"
     device: str | None = None
     calibration: Path | None = None
     peak_flops: float | None = None
@@ -320,6 +323,10 @@ def _validate(name: str, value: Any, where: str) -> Any:
     if name == "inner":
         if value not in _INNER:
             raise bad("one of " + ", ".join(repr(v) for v in _INNER))
+        return value
+    if name == "on_host_pool_full":
+        if value not in ("fallback", "error"):
+            raise bad("'fallback' or 'error'")
         return value
     if name == "on_infeasible":
         if value not in _ON_INFEASIBLE:

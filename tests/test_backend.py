@@ -368,7 +368,7 @@ def test_host_pool_limit_reaches_the_runtime_and_its_exhaustion_the_user():
     from offload_compiler.runtime.pool import HostPoolExhausted
 
     before = len(offload_compiler.reports())
-    _, _, compiled, (x, y) = compile_mlp("50%", host_pool_limit_bytes=300_000)
+    _, _, compiled, (x, y) = compile_mlp("50%", host_pool_limit_bytes=300_000, on_host_pool_full="error")
     with pytest.raises(HostPoolExhausted) as info:
         compiled(x, y)
     # The first evicted activation is a 1024 x 128 float32 tanh output (524288 bytes) or the
@@ -381,6 +381,22 @@ def test_host_pool_limit_reaches_the_runtime_and_its_exhaustion_the_user():
     stats = r.runtime_stats()
     assert stats.host_pool.limit_bytes == 300_000
     assert stats.host_pool.held_bytes == 0
+
+
+def test_host_pool_limit_falls_back_to_unpooled_memory_with_one_warning():
+    before = len(offload_compiler.reports())
+    model, ref, compiled, (x, y) = compile_mlp("50%", host_pool_limit_bytes=300_000)
+    with pytest.warns(UserWarning, match="falling back to unpooled host memory") as record:
+        compiled(x, y).backward()
+        compiled(x, y).backward()
+    assert sum("falling back" in str(w.message) for w in record) == 1
+    ref(x, y).backward()
+    ref(x, y).backward()
+    grads_match(model, ref)
+    (r,) = offload_compiler.reports()[before:]
+    stats = r.runtime_stats().host_pool
+    assert stats.limit_bytes == 300_000 and stats.held_bytes <= 300_000
+    assert stats.num_overflow_allocations >= 2  # the 512 KiB activation, each step
 
 
 def test_budgets_at_several_fractions_are_met():

@@ -108,3 +108,34 @@ def test_registry_and_method_keys():
         with pytest.raises(ValueError):
             get_method(bad)
     assert slug("trinity-50%") == "trinity-50pct"
+
+
+def _fake(key, family, peak, step, budget_bytes=None, within=None):
+    row = {"ok": True, "method": {"key": key, "family": family}, "peak_bytes": peak, "median_step_seconds": step}
+    if family == "trinity":
+        row["trinity"] = {"budget_bytes": budget_bytes, "within_budget": within}
+    return row
+
+
+def test_targets_from_rows():
+    cpu = {
+        "gpt": [
+            _fake("inductor", "compile", 100, 1.0),
+            _fake("trinity-50%", "trinity", 48, 1.2, budget_bytes=50, within=True),
+        ]
+    }
+    (t,) = report.cpu_targets(cpu)
+    assert t["within_budget"] and t["step_ok"] and t["step_ratio"] == pytest.approx(1.2)
+    gpu = {
+        "gpt": [
+            _fake("eager", "eager", 110, 1.1),
+            _fake("inductor", "compile", 100, 1.0),
+            _fake("checkpoint", "checkpoint", 40, 1.3),
+            _fake("sac-0.5", "sac", 70, 1.04),
+            _fake("trinity-50%", "trinity", 50, 1.03),
+            _fake("trinity-25%", "trinity", 30, 1.2),
+        ]
+    }
+    (g,) = report.gpu_targets(gpu)
+    assert g["t1"]["met"] and g["t1"]["trinity"] == "trinity-50%" and g["t1"]["best_other"] == "sac-0.5"
+    assert g["t2"]["met"] and g["t2"]["trinity"] == "trinity-25%" and g["t2"]["fastest_other"] == "checkpoint"

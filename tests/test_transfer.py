@@ -143,11 +143,33 @@ def test_each_runtime_has_its_own_pool():
 def test_pool_limit_reaches_the_caller():
     from offload_compiler.runtime.pool import HostPoolExhausted
 
-    rt = TransferRuntime(CPU, 8192)
+    rt = TransferRuntime(CPU, 8192, on_pool_full="error")
     x = torch.randn(2000)  # 8000 bytes -> 8192 block
     keep = ops.evict(x, rt.id)
     with pytest.raises(HostPoolExhausted, match="8000 bytes"):
         ops.evict(x, rt.id)
+    del keep
+
+
+def test_pool_limit_falls_back_to_unpooled_memory_warning_once():
+    rt = TransferRuntime(CPU, 8192)  # default: on_pool_full="fallback"
+    x = torch.randn(2000)
+    keep = ops.evict(x, rt.id)
+    with pytest.warns(UserWarning, match="falling back to unpooled host memory"):
+        extra = ops.evict(x * 2, rt.id)
+    torch.testing.assert_close(extra, x * 2, rtol=0, atol=0)
+    stats = rt.pool.stats()
+    assert stats.num_overflow_allocations == 1 and stats.overflow_bytes == 8192
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second overflow does not warn again
+        more = ops.evict(x * 3, rt.id)
+    torch.testing.assert_close(more, x * 3, rtol=0, atol=0)
+    assert rt.pool.stats().num_overflow_allocations == 2
+    del extra, more
+    ops.evict(x, rt.id)  # the next allocation gives the unused overflow memory back
+    assert rt.pool.stats().overflow_bytes == 8192  # only the new overflow block is held
     del keep
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -84,6 +85,8 @@ class HostPoolStats:
     num_releases: int
     limit_bytes: int
     pinned: bool
+    overflow_bytes: int = 0
+    num_overflow_allocations: int = 0
 
 
 class _Block:
@@ -115,13 +118,24 @@ class HostPool:
         limit_bytes: the most bytes the pool may hold (blocks in use plus free blocks).
         pin_memory: allocate page-locked memory (only valid when CUDA is available).
         shuffle_seed: fault injection for tests: hand out free blocks in a random order.
+        on_full: at the limit, ``"error"`` raises :class:`HostPoolExhausted`; ``"fallback"``
+            allocates outside the pool (warning once) and frees that memory as soon as it is no
+            longer used.
 
     Thread-safe. Stats via :meth:`stats`.
     """
 
-    def __init__(self, limit_bytes: int, pin_memory: bool = False, shuffle_seed: int | None = None):
+    def __init__(
+        self, limit_bytes: int, pin_memory: bool = False, shuffle_seed: int | None = None, on_full: str = "error"
+    ):
         if limit_bytes <= 0:
             raise ValueError(f"HostPool limit_bytes must be positive, got {limit_bytes}")
+        if on_full not in ("error", "fallback"):
+            raise ValueError(f"HostPool on_full must be 'error' or 'fallback', got {on_full!r}")
+        self.on_full = on_full
+        self._overflow: list[_Block] = []  # blocks past the limit (fallback), released once free
+        self._overflow_allocations = 0
+        self._warned = False
         self.limit_bytes = int(limit_bytes)
         self.pin_memory = bool(pin_memory)
         self._lock = threading.Lock()
@@ -167,10 +181,13 @@ class HostPool:
         for block in free:
             self._reuses += 1
             return block
+        self._release_overflow_locked()
         if self._held + size > self.limit_bytes:
             self._trim_locked(self._held + size - self.limit_bytes, keep=size)
         if self._held + size > self.limit_bytes:
-            raise HostPoolExhausted(nbytes, self._held, self._in_use_locked(), self.limit_bytes)
+            if self.on_full == "error":
+                raise HostPoolExhausted(nbytes, self._held, self._in_use_locked(), self.limit_bytes)
+            return self._overflow_block_locked(nbytes, size)
         try:
             storage = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory).untyped_storage()
         except (RuntimeError, MemoryError) as exc:
@@ -181,6 +198,27 @@ class HostPool:
         self._peak_held = max(self._peak_held, self._held)
         self._allocations += 1
         return block
+
+    def _overflow_block_locked(self, nbytes: int, size: int) -> _Block:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"trinity host pool reached its limit {format_bytes(self.limit_bytes)} asking for "
+                f"{format_bytes(nbytes)}; falling back to unpooled host memory, freed as soon as "
+                "unused (warned once; raise host_pool_limit_bytes to keep copies pooled)",
+                stacklevel=4,
+            )
+        try:
+            storage = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory).untyped_storage()
+        except (RuntimeError, MemoryError) as exc:
+            raise HostPoolExhausted(nbytes, self._held, self._in_use_locked(), self.limit_bytes, str(exc)) from exc
+        block = _Block(storage, size)
+        self._overflow.append(block)
+        self._overflow_allocations += 1
+        return block
+
+    def _release_overflow_locked(self) -> None:
+        self._overflow = [b for b in self._overflow if b.in_use() or b.copy_pending()]
 
     def _trim_locked(self, need: int, keep: int) -> None:
         """Release free blocks of other sizes until ``need`` bytes are freed."""
@@ -198,16 +236,19 @@ class HostPool:
                     self._releases += 1
                     freed += size
 
-    def mark_read_by(self, tensor: torch.Tensor, event) -> None:
-        """Record that an in-flight copy (``event``, a ``torch.cuda.Event``) reads ``tensor``'s
-        block, so the block is not reused before the copy completes."""
+    def mark_busy(self, tensor: torch.Tensor, event) -> None:
+        """Record that an in-flight copy (``event``: anything with ``query()``, e.g. a
+        ``torch.cuda.Event``) reads or writes ``tensor``'s block, so the block is not handed out
+        again before the copy completes."""
         ptr = tensor.untyped_storage().data_ptr()
         with self._lock:
-            for blocks in self._blocks.values():
+            for blocks in (*self._blocks.values(), self._overflow):
                 for block in blocks:
                     if block.ptr == ptr:
                         block.event = event
                         return
+
+    mark_read_by = mark_busy
 
     def release_free(self) -> int:
         """Give all free blocks back to the system; returns the bytes released."""
@@ -232,12 +273,14 @@ class HostPool:
                 num_releases=self._releases,
                 limit_bytes=self.limit_bytes,
                 pinned=self.pin_memory,
+                overflow_bytes=sum(b.size for b in self._overflow),
+                num_overflow_allocations=self._overflow_allocations,
             )
 
     def block_ranges(self) -> list[tuple[int, int]]:
         """``(data_ptr, size)`` of every block held, for memory accounting."""
         with self._lock:
-            return [(b.ptr, b.size) for blocks in self._blocks.values() for b in blocks]
+            return [(b.ptr, b.size) for blocks in (*self._blocks.values(), self._overflow) for b in blocks]
 
     def owns(self, tensor: torch.Tensor) -> bool:
         ptr = tensor.untyped_storage().data_ptr()

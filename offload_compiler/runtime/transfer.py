@@ -79,25 +79,82 @@ class TransferStats:
     host_pool: HostPoolStats
 
 
+class _Pending:
+    """A copy issued and not yet waited for: its completion event and the storages that must
+    outlive it (the copy's source and destination), so that an exception that drops the graph's
+    references cannot free memory a copy still reads or writes."""
+
+    __slots__ = ("event", "keepalive")
+
+    def __init__(self, event, keepalive: tuple):
+        self.event = event
+        self.keepalive = keepalive
+
+
+class _Deferred:
+    """Fault injection: a copy that has not happened yet. It holds its source and destination
+    weakly: a source freed before the copy runs leaves the destination poisoned, as a real copy
+    from freed memory would leave it wrong. ``query()`` makes it usable as a pool block's event."""
+
+    __slots__ = ("src", "src_offset", "dst", "dst_offset", "nbytes", "done")
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, nbytes: int):
+        self.src = weakref.ref(src.untyped_storage())
+        self.src_offset = src.storage_offset() * src.element_size()
+        self.dst = weakref.ref(dst.untyped_storage())
+        self.dst_offset = dst.storage_offset() * dst.element_size()
+        self.nbytes = nbytes
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def run(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        src, dst = self.src(), self.dst()
+        if src is None or dst is None:
+            return
+        flat = lambda storage, offset: torch.empty(0, dtype=torch.uint8).set_(storage, offset, (self.nbytes,), (1,))  # noqa: E731
+        flat(dst, self.dst_offset).copy_(flat(src, self.src_offset))
+
+
 class TransferRuntime:
     """Host pool, copy streams and pending-copy events for one compiled graph pair.
+
+    Every copy in flight is recorded with the storages it reads and writes until its wait; an
+    exception that unwinds the graph between a copy and its wait leaves the entry behind, and
+    the next trinity op (or :meth:`purge`) drops it once its copy has completed. So no memory a
+    copy still touches is freed early, and nothing stays pending after the next step.
 
     Args:
         device: the compute device of the graphs.
         host_pool_limit_bytes: the host pool's limit (bytes).
         faults: a :class:`FaultInjection` test mode (CPU only), or ``None``.
+        on_pool_full: ``"fallback"`` (host memory outside the pool, with a one-time warning) or
+            ``"error"`` when the pool's limit is reached.
     """
 
-    def __init__(self, device: torch.device, host_pool_limit_bytes: int, faults: FaultInjection | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        host_pool_limit_bytes: int,
+        faults: FaultInjection | None = None,
+        on_pool_full: str = "fallback",
+    ):
         self.device = torch.device(device)
         self.streams = CopyStreams(self.device)
         self.faults = faults
         self._rng = random.Random(faults.seed) if faults is not None else None
         self.pool = HostPool(
-            host_pool_limit_bytes, pin_memory=self.streams.enabled, shuffle_seed=faults.seed if faults else None
+            host_pool_limit_bytes,
+            pin_memory=self.streams.enabled,
+            shuffle_seed=faults.seed if faults else None,
+            on_full=on_pool_full,
         )
-        self._pending: dict[int, object] = {}
-        self._deferred: dict[int, object] = {}  # fault injection: key -> copy not yet done
+        self._pending: dict[int, _Pending] = {}
+        self._deferred: dict[int, _Deferred] = {}
         self._lock = threading.Lock()
         self._evicts = 0
         self._prefetches = 0
@@ -112,46 +169,50 @@ class TransferRuntime:
         """Start the D2H copy of ``src`` into a pooled host tensor of the same layout; return it.
 
         ``src`` must stay alive until :meth:`evict_wait` (the graph passes it there)."""
+        self.purge()
         host = self.pool.empty_strided(tuple(src.shape), tuple(src.stride()), src.dtype)
         nbytes = span_bytes(tuple(src.shape), tuple(src.stride()), src.element_size())
-        event = None
         if self.faults is not None:
-            self._fault_tick()
             _flat_bytes(host).fill_(0xFF)
             if nbytes:
-                dst, source = _flat_bytes(host), _flat_bytes(src)
-                self._defer(host.untyped_storage().data_ptr(), lambda: dst.copy_(source))
+                self._defer(host, src, host, nbytes)
         elif nbytes:
             with self.streams.start_on(self.streams.d2h):
                 _flat_bytes(host).copy_(_flat_bytes(src), non_blocking=self.streams.enabled)
             event = self.streams.record(self.streams.d2h)
-        with self._lock:
             if event is not None:
-                self._pending[host.untyped_storage().data_ptr()] = event
+                # The copy writes the host block: no reuse before it is done, even if an
+                # exception drops the host tensor first.
+                self.pool.mark_busy(host, event)
+                with self._lock:
+                    self._pending[host.untyped_storage().data_ptr()] = _Pending(
+                        event, (src.untyped_storage(), host.untyped_storage())
+                    )
+        with self._lock:
             self._evicts += 1
             self._bytes_d2h += nbytes
         return host
 
     def evict_wait(self, host: torch.Tensor, src: torch.Tensor) -> None:
         """Make the compute stream wait for ``host``'s D2H copy; after this ``src`` may be freed."""
+        key = host.untyped_storage().data_ptr()
         if self.faults is not None:
-            self._complete(host.untyped_storage().data_ptr())
+            self._complete(key)
             self._fault_tick()
         with self._lock:
-            event = self._pending.pop(host.untyped_storage().data_ptr(), None)
-        self.streams.wait(event)
+            pending = self._pending.pop(key, None)
+        if pending is not None:
+            self.streams.wait(pending.event)
 
     def prefetch(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Allocate a device tensor with ``host``'s layout and start the H2D copy into it."""
+        self.purge()
         dev = torch.empty_strided(tuple(host.shape), tuple(host.stride()), dtype=host.dtype, device=device)
         nbytes = span_bytes(tuple(host.shape), tuple(host.stride()), host.element_size())
-        event = None
         if self.faults is not None:
-            self._fault_tick()
             _flat_bytes(dev).fill_(0xFF)
             if nbytes:
-                dst, source = _flat_bytes(dev), _flat_bytes(host)
-                self._defer(dev.untyped_storage().data_ptr(), lambda: dst.copy_(source))
+                self._defer(dev, host, dev, nbytes)
         elif nbytes:
             with self.streams.start_on(self.streams.h2d):
                 _flat_bytes(dev).copy_(_flat_bytes(host), non_blocking=self.streams.enabled)
@@ -159,33 +220,61 @@ class TransferRuntime:
             if event is not None:
                 # The host block may be dropped right after this call; keep it from reuse until
                 # the copy that reads it is done.
-                self.pool.mark_read_by(host, event)
+                self.pool.mark_busy(host, event)
+                with self._lock:
+                    self._pending[dev.untyped_storage().data_ptr()] = _Pending(
+                        event, (host.untyped_storage(), dev.untyped_storage())
+                    )
         with self._lock:
-            if event is not None:
-                self._pending[dev.untyped_storage().data_ptr()] = event
             self._prefetches += 1
             self._bytes_h2d += nbytes
         return dev
 
     def prefetch_wait(self, dev: torch.Tensor) -> None:
         """Make the compute stream wait for ``dev``'s H2D copy."""
+        key = dev.untyped_storage().data_ptr()
         if self.faults is not None:
-            self._complete(dev.untyped_storage().data_ptr())
+            self._complete(key)
             self._fault_tick()
         with self._lock:
-            event = self._pending.pop(dev.untyped_storage().data_ptr(), None)
-        self.streams.wait(event)
+            pending = self._pending.pop(key, None)
+        if pending is not None:
+            self.streams.wait(pending.event)
+
+    def purge(self) -> int:
+        """Drop pending entries whose copy has completed but whose wait never came (an exception
+        between them); returns how many. Waits that do come find nothing left to wait for."""
+        with self._lock:
+            done = [k for k, p in self._pending.items() if p.event.query()]
+            for k in done:
+                del self._pending[k]
+            if self.faults is not None:
+                gone = [k for k, d in self._deferred.items() if d.dst() is None]
+                for k in gone:
+                    self._deferred.pop(k).done = True
+                done += gone
+        return len(done)
+
+    def synchronize(self) -> None:
+        """Block until every copy in flight is done, then drop what is pending."""
+        self.streams.synchronize()
+        self.purge()
 
     # ------------------------------------------------------------------ fault injection
-    def _defer(self, key: int, copy) -> None:
+    def _defer(self, key_tensor: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> None:
+        deferred = _Deferred(src, dst, nbytes)
+        # A host block a deferred copy reads or writes is not handed out again before it runs.
+        host = dst if self.pool.owns(dst) else src
+        self.pool.mark_busy(host, deferred)
         with self._lock:
-            self._deferred[key] = copy
+            self._deferred[key_tensor.untyped_storage().data_ptr()] = deferred
+        self._fault_tick()
 
     def _complete(self, key: int) -> None:
         with self._lock:
-            copy = self._deferred.pop(key, None)
-        if copy is not None:
-            copy()
+            deferred = self._deferred.pop(key, None)
+        if deferred is not None:
+            deferred.run()
 
     def _fault_tick(self) -> None:
         """At a trinity op: let some other deferred copies complete now (random timing)."""
