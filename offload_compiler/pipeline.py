@@ -168,7 +168,7 @@ class CompileSession:
         fallback = None
         if not the_plan.feasible:
             message = plan_window.describe_infeasible(
-                the_plan, live, opts.memory_budget.describe(), opts.min_offload_bytes
+                the_plan, live, opts.memory_budget.describe(), opts.min_offload_bytes, opts.on_infeasible
             )
             if opts.on_infeasible == "error":
                 if dumper:

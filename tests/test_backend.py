@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from dataclasses import asdict
 
 import pytest
@@ -301,6 +302,31 @@ def test_on_infeasible_warn_runs_the_lowest_peak_plan_with_right_gradients():
     model.zero_grad()
     compiled(x, y).backward()
     assert len(offload_compiler.reports()) == before + 1
+
+
+def test_evicting_the_small_outputs_of_a_multi_output_op():
+    # native_layer_norm returns (out, mean, rstd); all three are saved. Evicting mean and rstd used
+    # to put an evict_wait between the op's getitems, so the tuple (and the "freed" tensor) lived
+    # on and the verifier rejected the plan. The getitems now stay together, before any transfer.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16), torch.nn.ReLU())
+    ref = copy.deepcopy(model)
+    x = torch.randn(4096, 16)
+    before = len(offload_compiler.reports())
+    compiled = torch.compile(
+        model,
+        backend="trinity",
+        options={"inner": "eager", "memory_budget": "30%", "on_infeasible": "warn", "min_offload_bytes": 0},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the 30% budget is infeasible; the lowest-peak plan runs
+        compiled(x).sum().backward()
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    (r,) = offload_compiler.reports()[before:]
+    assert r.num_evicted == r.num_candidates >= 3  # LayerNorm's out, mean and rstd among them
+    assert "verify" in dict(r.pass_seconds)  # the verifier ran and accepted the plan
 
 
 # ---------------------------------------------------------------------------------- reports

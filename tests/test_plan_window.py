@@ -158,7 +158,13 @@ def test_describe_infeasible_names_budget_lowest_and_dominant_kind(mlp4):
     assert "1.82 KiB without offloading" in text  # 1860 B
     assert "dominated by temporary" in text
     assert "backward node 'mm_9'" in text
-    assert "4 saved activations" in text
+    assert "All 4 saved activations that can be offloaded are." in text
+    assert "Raise memory_budget or pass on_infeasible='warn'" in text  # min_offload_bytes is 0
+    assert "min_offload_bytes" not in text
+    text = plan_window.describe_infeasible(plan, live, "1000 bytes", 4096, on_infeasible="warn")
+    assert "All 4 saved activations of at least 4.00 KiB that can be offloaded are." in text
+    assert "Raise memory_budget or lower min_offload_bytes." in text
+    assert "on_infeasible" not in text
 
 
 def test_min_offload_bytes_excludes_small_buffers():

@@ -23,6 +23,8 @@ consistent) and ``node.meta["trinity"]`` (a short description shown in dumps).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
@@ -146,6 +148,19 @@ def _fused_nodes(graph: fx.Graph, liveness: Liveness, graph_name: str) -> set:
     return out
 
 
+def _past_sibling_getitems(node: fx.Node) -> fx.Node:
+    """The last of the ``getitem`` nodes that follow ``node`` and index the same multi-output op
+    as it does (``node`` itself when it is not such a getitem). Transfers go after the whole
+    group: a getitem after an ``evict_wait`` would keep the op's tuple, and so the evicted
+    element, alive past its free (see ``reorder``, which groups the getitems)."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return node
+    producer = node.args[0]
+    while node.next.op == "call_function" and node.next.target is operator.getitem and node.next.args[0] is producer:
+        node = node.next
+    return node
+
+
 def _after_in_order(a: fx.Node, b: fx.Node) -> bool:
     """Whether ``a`` comes after ``b`` in their graph."""
     node = b.next
@@ -251,7 +266,7 @@ def apply(
     for step in sorted(fw_after):
         if not (0 <= step < F - 1):
             raise ValueError(f"insert_transfers: forward step {step} is not a node before the output")
-        anchor = fw_nodes[step]
+        anchor = _past_sibling_getitems(fw_nodes[step])
         items = sorted(fw_after[step], key=lambda it: 0 if it[0] == "issue" else 1)
         # inserting_after(anchor) puts each new node right after anchor; keep order by chaining.
         cursor = anchor

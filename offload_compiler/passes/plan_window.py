@@ -472,9 +472,12 @@ def _breakdown(liveness: Liveness, evictions, step: int) -> dict[str, int]:
     return dict(sorted(((k, v) for k, v in out.items() if v), key=lambda kv: -kv[1]))
 
 
-def describe_infeasible(plan_: Plan, liveness: Liveness, budget_request: str, min_offload_bytes: int) -> str:
-    """The error text for a budget no plan reaches: the budget, the lowest reachable peak, and what
-    dominates that peak."""
+def describe_infeasible(
+    plan_: Plan, liveness: Liveness, budget_request: str, min_offload_bytes: int, on_infeasible: str = "error"
+) -> str:
+    """The error text for a budget no plan reaches: the budget, the lowest reachable peak, what
+    dominates that peak, and only the remedies that apply (no "lower min_offload_bytes" when it
+    is 0, no "pass on_infeasible='warn'" when it is already ``"warn"``)."""
     parts = ", ".join(
         f"{kind} {format_bytes(b)} ({100 * b / max(1, plan_.lowest_reachable_peak_bytes):.0f}%)"
         for kind, b in plan_.peak_breakdown
@@ -483,12 +486,23 @@ def describe_infeasible(plan_: Plan, liveness: Liveness, budget_request: str, mi
     dominant = plan_.peak_breakdown[0][0] if plan_.peak_breakdown else "nothing"
     resolved = f"{format_bytes(plan_.budget_bytes)} ({plan_.budget_bytes} bytes)"
     requested = budget_request if resolved in budget_request else f"{budget_request} = {resolved}"
+    n = plan_.num_candidates
+    size = f" of at least {format_bytes(min_offload_bytes)}" if min_offload_bytes > 0 else ""
+    if n == 0:
+        candidates = f"No saved activation{size} can be offloaded."
+    else:
+        candidates = f"All {n} saved activation{'s' if n != 1 else ''}{size} that can be offloaded are."
+    remedies = ["raise memory_budget"]
+    if min_offload_bytes > 0:
+        remedies.append("lower min_offload_bytes")
+    if on_infeasible != "warn":
+        remedies.append("pass on_infeasible='warn' to run with the lowest-peak plan")
+    remedy = (", ".join(remedies[:-1]) + " or " + remedies[-1]) if len(remedies) > 1 else remedies[0]
+    remedy = remedy[0].upper() + remedy[1:]
     return (
         f"trinity: memory_budget {requested} is below the lowest peak any plan reaches, "
         f"{format_bytes(plan_.lowest_reachable_peak_bytes)} ({plan_.lowest_reachable_peak_bytes} bytes; "
         f"{format_bytes(plan_.peak_bytes_unplanned)} without offloading), at {step.graph} node "
         f"{step.node!r}. That peak is dominated by {dominant}: {parts}. "
-        f"{plan_.num_candidates} saved activations of at least {format_bytes(min_offload_bytes)} "
-        "can be offloaded and all are. Raise memory_budget, lower min_offload_bytes, or pass "
-        "on_infeasible='warn' to run with the lowest-peak plan."
+        f"{candidates} {remedy}."
     )

@@ -7,10 +7,17 @@ reader of hold more bytes than its own output. Only pure, deterministic ops move
 no mutation, no trinity ops), and only earlier, so every value is the same as before: with
 ``inner="eager"`` the results stay bit-identical.
 
+Before that, every ``getitem`` of a multi-output op (``native_layer_norm``'s mean and rstd, an
+SDPA's log-sum-exp) moves to right after that op: indexing a tuple reads no memory, but while a
+late ``getitem`` is pending the generated code keeps the whole tuple, and so every tensor in it,
+alive, which would keep an evicted element allocated past its planned free.
+
 Reads ``node.meta["val"]``; writes no meta. Mutates the graph's node order.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -59,12 +66,34 @@ def _movable(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded not in target.tags and not target._schema.is_mutable
 
 
+def _hoist_getitems(graph: fx.Graph) -> int:
+    """Move each ``operator.getitem`` of a tuple-valued node to right after that node (keeping
+    their order); returns how many moved."""
+    moved = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        getitems = [u for u in n.users if u.op == "call_function" and u.target is operator.getitem]
+        if not getitems or len(getitems) != len(n.users):
+            continue
+        order = {u: i for i, u in enumerate(graph.nodes) if u in n.users}
+        anchor = n
+        for g in sorted(getitems, key=order.__getitem__):
+            if anchor.next is not g:
+                anchor.append(g)
+                moved += 1
+            anchor = g
+    return moved
+
+
 def hoist_frees(gm: fx.GraphModule) -> int:
     """Move memory-freeing nodes of ``gm`` earlier (see module docstring); returns how many moved.
 
-    The graph is linted and recompiled when anything moved.
+    Getitems of multi-output ops move first (not counted). The graph is linted and recompiled
+    when anything moved.
     """
     graph = gm.graph
+    regrouped = _hoist_getitems(graph)
     nodes = list(graph.nodes)
     pos: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(nodes)}
     view = {n: _is_view(n) for n in nodes}
@@ -90,7 +119,7 @@ def hoist_frees(gm: fx.GraphModule) -> int:
             latest.append(n)
             pos = {m: float(i) for i, m in enumerate(graph.nodes)}
             moved += 1
-    if moved:
+    if moved or regrouped:
         graph.lint()
         gm.recompile()
     return moved
