@@ -8,6 +8,7 @@ Parameters and buffers are the forward placeholders listed in ``static_input_ind
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,36 @@ def tensor_vals(node: fx.Node) -> list[torch.Tensor]:
     if isinstance(val, (tuple, list)):
         return [v for v in val if isinstance(v, torch.Tensor)]
     return []
+
+
+def fill_tuple_vals(gm: fx.GraphModule) -> int:
+    """Give ``meta["val"]`` to tuple-valued nodes that AOTAutograd leaves without one, from their
+    ``getitem`` users; returns how many nodes got one.
+
+    The partitioner emits the random-number-state wrappers of activation checkpointing
+    (``run_and_save_rng_state``, ``run_with_rng_state``) without ``meta["val"]``, while the
+    ``getitem`` nodes that unpack them have theirs. The tuple's value is those getitems' values
+    (the same fake tensors, so aliasing analysis sees the same storages), ``None`` at indices
+    nobody reads. Nodes with a non-getitem user are left alone (liveness then reports them).
+
+    Writes ``node.meta["val"]``; reads the users' ``meta["val"]``.
+    """
+    filled = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or "val" in n.meta or not n.users:
+            continue
+        users = list(n.users)
+        if not all(
+            u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) and "val" in u.meta
+            for u in users
+        ):
+            continue
+        vals: list = [None] * (max(u.args[1] for u in users) + 1)
+        for u in users:
+            vals[u.args[1]] = u.meta["val"]
+        n.meta["val"] = tuple(vals)
+        filled += 1
+    return filled
 
 
 def fake_mode_of(*graphs: fx.GraphModule):

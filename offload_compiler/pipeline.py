@@ -28,7 +28,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from .devices import DeviceSpec, detect_device_spec
 from .dump import GraphDumper
-from .graph_pair import GraphPair
+from .graph_pair import GraphPair, fill_tuple_vals
 from .options import MemoryBudget, TrinityOptions
 from .passes import cost_model, insert_transfers, liveness, plan_window, reorder, simulate, verify
 from .report import TrinityReport, next_graph_id, record_report
@@ -157,6 +157,8 @@ class CompileSession:
         if dumper:
             dumper.graphs("00_partitioned", forward, backward)
         t0 = time.perf_counter()
+        fill_tuple_vals(forward)
+        fill_tuple_vals(backward)
         moved = reorder.hoist_frees(forward) + reorder.hoist_frees(backward)
         reorder_seconds = time.perf_counter() - t0
         if dumper and moved:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .devices import KNOWN_DEVICES, DeviceSpec, lookup_device
+from .graph_pair import fill_tuple_vals
 from .options import MemoryBudget, format_bytes, parse_size
 from .passes import cost_model, liveness, plan_window, reorder
 
@@ -148,6 +149,8 @@ def plan_model(
     trace_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     pair = traced.pair
+    fill_tuple_vals(pair.forward)
+    fill_tuple_vals(pair.backward)
     reorder.hoist_frees(pair.forward)
     reorder.hoist_frees(pair.backward)
     live = liveness.analyze(pair, assume_fusion=True)

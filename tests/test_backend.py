@@ -329,6 +329,57 @@ def test_evicting_the_small_outputs_of_a_multi_output_op():
     assert "verify" in dict(r.pass_seconds)  # the verifier ran and accepted the plan
 
 
+class _CheckpointedAttention(torch.nn.Module):
+    """Two linear layers outside and an attention block with dropout inside non-reentrant
+    activation checkpointing (what Hugging Face's gradient_checkpointing does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(64, 64)
+        self.qkv = torch.nn.Linear(64, 192)
+        self.out = torch.nn.Linear(64, 64)
+
+    def block(self, h):
+        q, k, v = self.qkv(h).view(8, 128, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.nn.functional.dropout(a.transpose(1, 2).reshape(8, 128, 64), p=0.1, training=self.training)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = h + torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+        return torch.tanh(self.out(h)).square().mean()
+
+
+def test_activation_checkpointing_inside_the_model():
+    # The partitioner emits checkpointing's RNG-state wrappers without meta["val"]; trinity used to
+    # stop there ("has no meta['val']"). Now they are planned around like any multi-output op.
+    torch.manual_seed(0)
+    model = _CheckpointedAttention()
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 128, 64)
+    before = len(offload_compiler.reports())
+    compiled = torch.compile(
+        model,
+        backend="trinity",
+        # The backward's recomputed attention sets the peak: no plan lowers it, so "warn" runs
+        # the lowest-peak plan, which evicts every saved activation (the wrappers' included).
+        options={"inner": "eager", "memory_budget": "60%", "min_offload_bytes": 0, "on_infeasible": "warn"},
+    )
+    warnings.filterwarnings("ignore", message="trinity: memory_budget")
+    for _ in range(2):
+        torch.manual_seed(1)
+        loss = compiled(x)
+        loss.backward()
+        torch.manual_seed(1)
+        ref_loss = ref(x)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+    (r,) = offload_compiler.reports()[before:]
+    assert r.num_evicted == r.num_candidates == 3
+
+
 # ---------------------------------------------------------------------------------- reports
 
 
