@@ -30,7 +30,7 @@ from .devices import DeviceSpec, detect_device_spec
 from .dump import GraphDumper
 from .graph_pair import GraphPair, fill_tuple_vals
 from .options import MemoryBudget, TrinityOptions
-from .passes import cost_model, insert_transfers, liveness, plan_window, reorder, simulate, verify
+from .passes import cost_model, insert_transfers, liveness, plan_window, reorder, simulate, size_guard, verify
 from .report import TrinityReport, next_graph_id, record_report
 from .runtime.transfer import TransferRuntime
 
@@ -178,6 +178,7 @@ class CompileSession:
                 raise InfeasibleBudgetError(message)
             warnings.warn(message + " (on_infeasible='warn': using the lowest-peak plan)", stacklevel=2)
             fallback = "budget infeasible; running the lowest-peak plan"
+        size_guards = size_guard.guard_planned_sizes(pair, live, budget)
         if budget is not None and the_plan.peak_bytes_unplanned > budget and not the_plan.evictions:
             fallback = "budget below the unplanned peak but nothing can be offloaded"
         t0 = time.perf_counter()
@@ -228,6 +229,7 @@ class CompileSession:
             dump_dir=str(dumper.dir) if dumper else None,
             runtime_id=self.runtime.id,
             device_name=costs.device.name,
+            size_bounds=size_guards.bounds,
         )
         if dumper:
             dumper.text("report.json", report.to_json())

@@ -43,6 +43,8 @@ class TrinityReport:
         dump_dir: where this pair's dumps are (``None`` without ``dump_dir``).
         runtime_id: id of the pair's transfer runtime.
         device_name: the device figures the cost model used.
+        size_bounds: with dynamic shapes and a budget, ``(size symbol, largest size)`` pairs the
+            plan is guarded to (a larger size recompiles and plans again); empty otherwise.
     """
 
     graph_id: int
@@ -67,6 +69,7 @@ class TrinityReport:
     dump_dir: str | None
     runtime_id: int
     device_name: str
+    size_bounds: tuple[tuple[str, int], ...] = ()
 
     def runtime_stats(self) -> TransferStats | None:
         """Live counters of this pair's transfer runtime (host pool included), or ``None`` once

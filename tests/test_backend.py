@@ -551,3 +551,20 @@ def test_dump_dir_from_the_environment(tmp_path, monkeypatch):
     d = tmp_path / "from_env" / f"graph_{r.graph_id:03d}"
     assert r.dump_dir == str(d)
     assert (d / "report.json").is_file() and (d / "memory.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_size_bounds_only_with_dynamic_shapes_and_a_budget():
+    before = len(offload_compiler.reports())
+    x = torch.randn(512, 32)
+    for budget, dynamic in [("75%", False), (None, True), ("75%", True)]:
+        torch._dynamo.reset()
+        f = torch.compile(
+            Tanhs(),
+            backend="trinity",
+            dynamic=dynamic,
+            options={"inner": "eager", "memory_budget": budget, "min_offload_bytes": 0},
+        )
+        f(x).backward()
+    static, unbudgeted, guarded = offload_compiler.reports()[before:]
+    assert static.size_bounds == () and unbudgeted.size_bounds == ()
+    assert [bound for _, bound in guarded.size_bounds] == [512]

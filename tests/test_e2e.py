@@ -157,11 +157,27 @@ def test_parity_and_memory(case, inner):
 @pytest.mark.parametrize("inner", INNERS)
 def test_dynamic_batch_size_one_compile(inner):
     sbs = SideBySide(models.MLP, inner, dynamic=True)
-    for n in (3072, 4096, 3072):
+    for n in (4096, 3072, 4096, 2048):
         sbs.step(models.mlp_batch(n))
-    assert len(sbs.reports()) == 1, "a second batch size recompiled"
-    # The budget was resolved for the size traced first (3072).
-    sbs.check_memory(models.mlp_batch(3072))
+    (r,) = sbs.reports()  # sizes up to the planned one reuse the plan: one compile
+    # The budget was resolved for the size traced first (4096), and the plan is guarded to it.
+    assert [bound for _, bound in r.size_bounds] == [4096]
+    sbs.check_memory(models.mlp_batch(4096))
+    sbs.check_memory(models.mlp_batch(2048))
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_dynamic_batch_size_growing_past_the_plan_plans_again(inner):
+    # A plan made at batch 2048 would exceed the budget at 4096: the size guard recompiles
+    # there, and the new plan (its own budget, 50% of its own unplanned peak) holds.
+    sbs = SideBySide(models.MLP, inner, dynamic=True)
+    sbs.step(models.mlp_batch(2048))
+    sbs.step(models.mlp_batch(4096))
+    sbs.step(models.mlp_batch(3072))  # reuses the 4096 plan
+    small, large = sbs.reports()
+    assert small.size_bounds[0][1] == 2048 and large.size_bounds[0][1] == 4096
+    assert large.budget_bytes > small.budget_bytes
+    sbs.check_memory(models.mlp_batch(4096))
 
 
 @pytest.mark.parametrize("inner", INNERS)
