@@ -383,9 +383,16 @@ def _validate(name: str, value: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise bad("a device name, one of " + ", ".join(sorted(KNOWN_DEVICES)))
         try:
-            lookup_device(value)
+            spec = lookup_device(value)
         except ValueError:
             raise bad("a device name, one of " + ", ".join(sorted(KNOWN_DEVICES))) from None
+        if value.strip().lower() not in KNOWN_DEVICES:
+            key = next(k for k, v in KNOWN_DEVICES.items() if v is spec)
+            warnings.warn(
+                f"trinity option device={value!r} ({where}) is not a table key; using the figures of "
+                f"{key!r}. Table keys: {', '.join(sorted(KNOWN_DEVICES))}",
+                stacklevel=2,
+            )
         return value
     if name == "fault_injection":
         if value is None:

@@ -421,6 +421,16 @@ def test_wrong_values_raise_naming_the_key(key, bad):
     assert repr(key) in str(info.value)
 
 
+def test_a_device_name_that_is_not_a_table_key_says_which_entry_it_became():
+    with pytest.warns(UserWarning, match=r"device='a100' .* figures of 'a100-80gb'"):
+        assert build({"device": "a100"}).device == "a100"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert build({"device": "a100-40gb"}).device == "a100-40gb"  # a key: no warning
+
+
 def test_bad_device_lists_the_known_devices():
     with pytest.raises(ValueError) as info:
         build({"device": "tpu-v9"})
