@@ -66,9 +66,13 @@ def resolve_budget(
 
 
 def plan_pair(
-    pair: GraphPair, options: TrinityOptions, spec: DeviceSpec | None = None
+    pair: GraphPair, options: TrinityOptions, spec: DeviceSpec | None = None, offloaded_state_bytes: int = 0
 ) -> tuple[liveness.Liveness, cost_model.Costs, int | None, plan_window.Plan, dict[str, float]]:
     """Run the analyses and the planner on ``pair`` without changing it.
+
+    ``offloaded_state_bytes``: parameter (and gradient) bytes that parameter offloading will take
+    off the device; the activation planner, which counts parameters resident throughout, gets a
+    budget raised by that much.
 
     Returns ``(liveness, costs, budget_bytes, plan, pass_seconds)``.
     """
@@ -88,7 +92,8 @@ def plan_pair(
     )
     budget = resolve_budget(options.memory_budget, live.peak_bytes, device, options, resident)
     t0 = time.perf_counter()
-    the_plan = plan_window.plan(live, costs, budget, options.min_offload_bytes)
+    act_budget = budget + offloaded_state_bytes if budget is not None else None
+    the_plan = plan_window.plan(live, costs, act_budget, options.min_offload_bytes)
     seconds["plan_window"] = time.perf_counter() - t0
     return live, costs, budget, the_plan, seconds
 
@@ -145,6 +150,9 @@ class CompileSession:
         self.device = device
         self.runtime = runtime
         self.reports: list[TrinityReport] = []
+        # offload="activations+params"/"all": forward input position -> ParamSlot (set by the backend)
+        self.param_slots: dict = {}
+        self.residency_plans: list = []
 
     def run(
         self, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, static_input_indices
@@ -161,7 +169,9 @@ class CompileSession:
         reorder_seconds = time.perf_counter() - t0
         if dumper and moved:
             dumper.graphs("05_reorder", forward, backward)
-        live, costs, budget, the_plan, seconds = plan_pair(pair, opts)
+        state_bytes = _offloaded_state_bytes(self.param_slots, pair.static_input_indices, opts.offload)
+        live, costs, budget, the_plan, seconds = plan_pair(pair, opts, offloaded_state_bytes=state_bytes)
+        step_nodes = list(forward.graph.nodes) + list(backward.graph.nodes)
         seconds = {"reorder": reorder_seconds, **seconds}
         if dumper:
             dumper.json("liveness.json", _liveness_json(live, costs))
@@ -192,6 +202,18 @@ class CompileSession:
                 assume_fusion=opts.inner == "inductor",
             )
             seconds["verify"] = time.perf_counter() - t0
+        residency = None
+        if self.param_slots:
+            from .param_offload import plan_and_apply_pair
+
+            t0 = time.perf_counter()
+            base_live = plan_window.planned_live_bytes(live, the_plan.evictions)
+            residency = plan_and_apply_pair(pair, live, costs, self.param_slots, opts, base_live, budget, step_nodes)
+            self.residency_plans.append(residency)
+            seconds["param_residency"] = time.perf_counter() - t0
+            log.info("%s", residency.summary())
+            if dumper:
+                dumper.text("residency.json", residency.to_json())
         if dumper:
             dumper.graphs("10_insert_transfers", forward, backward)
             dumper.text("plan.json", the_plan.to_json())
@@ -226,6 +248,18 @@ class CompileSession:
             dump_dir=str(dumper.dir) if dumper else None,
             runtime_id=self.runtime.id,
             device_name=costs.device.name,
+            param_offload=(
+                {
+                    "mode": residency.mode,
+                    "num_params": len(residency.params),
+                    "host_bytes": residency.host_bytes,
+                    "peak_bytes": residency.peak_bytes,
+                    "max_window_steps": residency.max_window_steps,
+                    "window_seconds": residency.window_seconds,
+                }
+                if residency is not None
+                else None
+            ),
         )
         if dumper:
             dumper.text("report.json", report.to_json())
@@ -233,6 +267,16 @@ class CompileSession:
         self.reports.append(report)
         log.info("%s", report.summary())
         return forward, backward
+
+
+def _offloaded_state_bytes(slots: dict, static_indices, mode: str) -> int:
+    static = set(static_indices)
+    seen, total = set(), 0
+    for i, slot in slots.items():
+        if i in static and slot.id not in seen:
+            seen.add(slot.id)
+            total += slot.nbytes * (2 if mode == "all" and slot.grad is not None else 1)
+    return total
 
 
 class TrinityPartitioner(CustomPartitionerFn):

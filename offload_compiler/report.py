@@ -43,6 +43,9 @@ class TrinityReport:
         dump_dir: where this pair's dumps are (``None`` without ``dump_dir``).
         runtime_id: id of the pair's transfer runtime.
         device_name: the device figures the cost model used.
+        param_offload: with ``offload`` other than ``"activations"``: the mode, parameters
+            offloaded, host bytes, the predicted peak with parameter residency (bytes) and the
+            working window (``max_window_steps`` nodes, ``window_seconds``); else ``None``.
     """
 
     graph_id: int
@@ -67,6 +70,7 @@ class TrinityReport:
     dump_dir: str | None
     runtime_id: int
     device_name: str
+    param_offload: dict | None = None
 
     def runtime_stats(self) -> TransferStats | None:
         """Live counters of this pair's transfer runtime (host pool included), or ``None`` once
@@ -97,6 +101,13 @@ class TrinityReport:
                 f"  note       the budget is met only with {self.exposed_transfer_seconds * 1e3:.3f} ms of copies "
                 f"not hidden under compute ({100 * self.exposed_transfer_seconds / self.compute_seconds:.0f}% of "
                 "compute); a larger budget or a faster host link hides them"
+            )
+        if self.param_offload:
+            po = self.param_offload
+            lines.append(
+                f"  params     offload={po['mode']}: {po['num_params']} parameters, host "
+                f"{format_bytes(po['host_bytes'])}, peak with parameter residency "
+                f"{format_bytes(po['peak_bytes'])}, window up to {po['max_window_steps']} nodes"
             )
         if self.fallback_reason:
             lines.append(f"  fallback   {self.fallback_reason}")
