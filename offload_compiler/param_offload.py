@@ -5,7 +5,8 @@ residency rewrite, and the inference graph's.
   graph's inputs (and a host gradient with ``offload="all"``), after checking that the host has
   room for them: a run that would exceed ``host_pool_limit_bytes`` fails here, naming the bytes
   needed.
-* :func:`plan_and_apply_pair`: :mod:`.passes.param_residency` on a partitioned training pair.
+* the training pair's residency is planned in :func:`offload_compiler.pipeline.plan_pair` and
+  applied by the compile session (:mod:`.passes.param_residency`).
 * :func:`rewrite_inference`: the same on a forward-only graph (``torch.no_grad()`` steps): fetch
   before first use; with ``"all"`` release after last use.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.fx as fx
 
@@ -27,7 +27,7 @@ from .runtime import param_ops as _param_ops  # noqa: F401  (registers trinity::
 from .runtime.model_state import ParamSlot, ensure_slot
 from .runtime.pool import HostPool
 
-__all__ = ["HostMemoryError", "make_slots", "plan_and_apply_pair", "rewrite_inference"]
+__all__ = ["HostMemoryError", "make_slots", "rewrite_inference"]
 
 
 class HostMemoryError(ValueError):
@@ -68,25 +68,6 @@ def make_slots(example_inputs: Sequence[Any], options: TrinityOptions, host_limi
             slot.enable_host_grad()
         slots[i] = slot
     return slots
-
-
-def plan_and_apply_pair(
-    pair: GraphPair,
-    live: liveness.Liveness,
-    costs: cost_model.Costs,
-    slots: dict[int, ParamSlot],
-    options: TrinityOptions,
-    base_live: np.ndarray,
-    budget: int | None,
-    step_nodes: Sequence[fx.Node],
-) -> param_residency.ResidencyPlan:
-    """Plan the residency of ``slots``' parameters on ``pair`` (as analysed by ``live``) and
-    rewrite ``pair``; ``step_nodes`` are its nodes as they were when analysed."""
-    static = set(pair.static_input_indices)
-    chosen = {i: (s.id, s.host_bytes) for i, s in slots.items() if i in static}
-    the_plan = param_residency.plan(pair, live, costs, chosen, options.offload, base_live, budget)
-    param_residency.apply(pair, the_plan, step_nodes)
-    return the_plan
 
 
 def rewrite_inference(

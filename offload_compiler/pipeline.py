@@ -16,6 +16,7 @@ Each pass is timed; with ``dump_dir`` the graphs are written before and after th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -66,15 +67,20 @@ def resolve_budget(
 
 
 def plan_pair(
-    pair: GraphPair, options: TrinityOptions, spec: DeviceSpec | None = None, offloaded_state_bytes: int = 0
+    pair: GraphPair, options: TrinityOptions, spec: DeviceSpec | None = None, model_state: dict | None = None
 ) -> tuple[liveness.Liveness, cost_model.Costs, int | None, plan_window.Plan, dict[str, float]]:
     """Run the analyses and the planner on ``pair`` without changing it.
 
-    ``offloaded_state_bytes``: parameter (and gradient) bytes that parameter offloading will take
-    off the device; the activation planner, which counts parameters resident throughout, gets a
-    budget raised by that much.
+    ``model_state`` (``offload`` other than ``"activations"``): forward input position ->
+    ``(slot id, host bytes)`` of the parameters to offload. Their residency is planned first
+    (:mod:`.passes.param_residency`); the activation planner then sees device memory with that
+    residency (:func:`~.passes.param_residency.activation_view`); if the working windows make the
+    budget unreachable, both are planned again without windows. The residency plan is left in
+    ``model_state["plan"]``, the liveness without the view in ``model_state["liveness"]``, and
+    the time of both planners in ``pass_seconds["param_residency"]``.
 
-    Returns ``(liveness, costs, budget_bytes, plan, pass_seconds)``.
+    Returns ``(liveness, costs, budget_bytes, plan, pass_seconds)``; with ``model_state`` the
+    liveness returned is the activation view.
     """
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -92,8 +98,25 @@ def plan_pair(
     )
     budget = resolve_budget(options.memory_budget, live.peak_bytes, device, options, resident)
     t0 = time.perf_counter()
-    act_budget = budget + offloaded_state_bytes if budget is not None else None
-    the_plan = plan_window.plan(live, costs, act_budget, options.min_offload_bytes)
+    if model_state:
+        from .passes import param_residency
+
+        t0 = time.perf_counter()
+        chosen = {i: v for i, v in model_state.items() if isinstance(i, int)}
+        model_state["liveness"] = real = live
+        for use_windows in (True, False):
+            residency = param_residency.plan(
+                pair, real, costs, chosen, options.offload, real.live_bytes(), budget, use_windows=use_windows
+            )
+            live = param_residency.activation_view(real, residency)
+            the_plan = plan_window.plan(live, costs, budget, options.min_offload_bytes)
+            if the_plan.feasible or not residency.max_window_steps:
+                break
+        model_state["plan"] = residency
+        seconds["param_residency"] = time.perf_counter() - t0
+        seconds["plan_window"] = 0.0
+        return live, costs, budget, the_plan, seconds
+    the_plan = plan_window.plan(live, costs, budget, options.min_offload_bytes)
     seconds["plan_window"] = time.perf_counter() - t0
     return live, costs, budget, the_plan, seconds
 
@@ -169,8 +192,11 @@ class CompileSession:
         reorder_seconds = time.perf_counter() - t0
         if dumper and moved:
             dumper.graphs("05_reorder", forward, backward)
-        state_bytes = _offloaded_state_bytes(self.param_slots, pair.static_input_indices, opts.offload)
-        live, costs, budget, the_plan, seconds = plan_pair(pair, opts, offloaded_state_bytes=state_bytes)
+        model_state = None
+        if self.param_slots:
+            static = set(pair.static_input_indices)
+            model_state = {i: (s.id, s.host_bytes) for i, s in self.param_slots.items() if i in static}
+        live, costs, budget, the_plan, seconds = plan_pair(pair, opts, model_state=model_state)
         step_nodes = list(forward.graph.nodes) + list(backward.graph.nodes)
         seconds = {"reorder": reorder_seconds, **seconds}
         if dumper:
@@ -193,24 +219,33 @@ class CompileSession:
             insert_transfers.apply(pair, live, the_plan, self.runtime.id, fence_readers=opts.inner == "inductor")
         seconds["insert_transfers"] = time.perf_counter() - t0
         planned_peak = the_plan.peak_bytes_planned
+        # Before the parameter rewrite the graphs hold every parameter throughout: that is what
+        # the verifier re-measures (the budget applies to the peak with parameter residency).
+        resident_peak = the_plan.peak_bytes_planned
+        if model_state:
+            resident_peak = int(plan_window.planned_live_bytes(model_state["liveness"], the_plan.evictions).max())
         if opts.verify:
             t0 = time.perf_counter()
-            planned_peak = verify.verify(
+            verified = verify.verify(
                 pair,
-                budget if the_plan.feasible else None,
-                expected_peak_bytes=the_plan.peak_bytes_planned,
+                budget if the_plan.feasible and not model_state else None,
+                expected_peak_bytes=resident_peak,
                 assume_fusion=opts.inner == "inductor",
             )
+            if not model_state:
+                planned_peak = verified
             seconds["verify"] = time.perf_counter() - t0
         residency = None
-        if self.param_slots:
-            from .param_offload import plan_and_apply_pair
+        if model_state:
+            from .passes import param_residency
 
             t0 = time.perf_counter()
-            base_live = plan_window.planned_live_bytes(live, the_plan.evictions)
-            residency = plan_and_apply_pair(pair, live, costs, self.param_slots, opts, base_live, budget, step_nodes)
+            residency = dataclasses.replace(
+                model_state["plan"], peak_bytes=the_plan.peak_bytes_planned, peak_bytes_resident_params=resident_peak
+            )
+            param_residency.apply(pair, residency, step_nodes)
             self.residency_plans.append(residency)
-            seconds["param_residency"] = time.perf_counter() - t0
+            seconds["param_residency"] += time.perf_counter() - t0
             log.info("%s", residency.summary())
             if dumper:
                 dumper.text("residency.json", residency.to_json())
@@ -254,6 +289,7 @@ class CompileSession:
                     "num_params": len(residency.params),
                     "host_bytes": residency.host_bytes,
                     "peak_bytes": residency.peak_bytes,
+                    "peak_bytes_resident_params": residency.peak_bytes_resident_params,
                     "max_window_steps": residency.max_window_steps,
                     "window_seconds": residency.window_seconds,
                 }
@@ -267,16 +303,6 @@ class CompileSession:
         self.reports.append(report)
         log.info("%s", report.summary())
         return forward, backward
-
-
-def _offloaded_state_bytes(slots: dict, static_indices, mode: str) -> int:
-    static = set(static_indices)
-    seen, total = set(), 0
-    for i, slot in slots.items():
-        if i in static and slot.id not in seen:
-            seen.add(slot.id)
-            total += slot.nbytes * (2 if mode == "all" and slot.grad is not None else 1)
-    return total
 
 
 class TrinityPartitioner(CustomPartitionerFn):

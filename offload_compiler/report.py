@@ -44,8 +44,9 @@ class TrinityReport:
         runtime_id: id of the pair's transfer runtime.
         device_name: the device figures the cost model used.
         param_offload: with ``offload`` other than ``"activations"``: the mode, parameters
-            offloaded, host bytes, the predicted peak with parameter residency (bytes) and the
-            working window (``max_window_steps`` nodes, ``window_seconds``); else ``None``.
+            offloaded, host bytes, the predicted peak with parameter residency (``peak_bytes``, the
+            same as ``peak_bytes_planned``) and with parameters resident throughout
+            (``peak_bytes_resident_params``), and the working window (``max_window_steps`` nodes, ``window_seconds``); else ``None``.
     """
 
     graph_id: int
@@ -107,7 +108,8 @@ class TrinityReport:
             lines.append(
                 f"  params     offload={po['mode']}: {po['num_params']} parameters, host "
                 f"{format_bytes(po['host_bytes'])}, peak with parameter residency "
-                f"{format_bytes(po['peak_bytes'])}, window up to {po['max_window_steps']} nodes"
+                f"{format_bytes(po['peak_bytes'])} (resident: {format_bytes(po['peak_bytes_resident_params'])}), "
+                f"window up to {po['max_window_steps']} nodes"
             )
         if self.fallback_reason:
             lines.append(f"  fallback   {self.fallback_reason}")

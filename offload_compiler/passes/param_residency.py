@@ -19,7 +19,9 @@ schedule (steps as in :mod:`.liveness`):
 **Working window.** A fetch is issued ``window_steps`` nodes before the reader, the fewest such
 that the cost model's compute time of those nodes covers the parameter's host-to-device copy
 time (so the copy hides under compute on a GPU). If the predicted peak with those windows is over
-the budget, windows shrink to zero (fetch right before the reader). Per-parameter windows, the
+the budget, windows shrink to zero (fetch right before the reader): the pipeline plans the
+activations on :func:`activation_view` with windows first and, if that misses the budget, again
+without. Per-parameter windows, the
 predicted peak and the host bytes are reported in :class:`ResidencyPlan`.
 
 ``plan`` is a pure function of liveness, costs and options. ``apply`` mutates the graphs: it
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch.fx as fx
@@ -42,9 +44,9 @@ import torch.fx as fx
 from ..graph_pair import GraphPair
 from ..runtime.param_ops import GRAD_TO_HOST, PARAM_FETCH, PARAM_RELEASE
 from .cost_model import Costs
-from .liveness import BufferKind, Liveness
+from .liveness import Buffer, BufferKind, Liveness
 
-__all__ = ["ParamResidency", "ResidencyPlan", "plan", "apply", "MODES"]
+__all__ = ["ParamResidency", "ResidencyPlan", "plan", "apply", "activation_view", "MODES"]
 
 MODES = ("activations+params", "all")
 
@@ -92,7 +94,7 @@ class ResidencyPlan:
         peak_bytes_resident_params: predicted peak with parameters resident throughout (bytes).
         peak_bytes: predicted peak with this residency (bytes).
         budget_bytes: the budget the windows were checked against (``None``: no limit).
-        windows_shrunk: whether the windows were cut to zero to meet the budget.
+        windows_shrunk: whether the windows were cut to zero (to meet the budget).
         host_bytes: host memory for the parameters' master copies (and host gradients with
             ``"all"``), bytes.
         max_window_steps: the largest fetch lead, in nodes.
@@ -156,6 +158,7 @@ def plan(
     base_live: np.ndarray,
     budget: int | None,
     host_grad: bool | None = None,
+    use_windows: bool = True,
 ) -> ResidencyPlan:
     """Plan the residency of the parameters in ``slots``.
 
@@ -167,8 +170,10 @@ def plan(
             left resident.
         mode: ``"activations+params"`` or ``"all"``.
         base_live: device bytes per step with parameters resident (after the activation plan).
-        budget: peak bytes to keep the windows within (``None``: no limit).
+        budget: the budget (bytes, ``None``: no limit), recorded in the plan.
         host_grad: send gradients to host; defaults to ``mode == "all"``.
+        use_windows: fetch ahead by the working window; ``False`` fetches right before the first
+            reader (the caller retries with it when the windows make the budget unreachable).
 
     Returns:
         A :class:`ResidencyPlan`.
@@ -267,14 +272,9 @@ def plan(
                 diff[live.num_steps] += gb.size_bytes
         return base_live + np.cumsum(diff[:-1])
 
-    params = build(True)
+    params = build(use_windows)
     peak = int(predicted(params).max()) if live.num_steps else 0
-    shrunk = False
-    if budget is not None and peak > budget:
-        narrow = build(False)
-        narrow_peak = int(predicted(narrow).max()) if live.num_steps else 0
-        if narrow_peak < peak:
-            params, peak, shrunk = narrow, narrow_peak, True
+    shrunk = not use_windows
     ce = np.concatenate([[0.0], np.cumsum(costs.step_seconds)])
     window_s = 0.0
     for p in params:
@@ -403,3 +403,28 @@ def _backward_alias(pair: GraphPair, fw_placeholder: fx.Node, buffer: int, step_
         if StorageWeakRef(val.untyped_storage()) == target:
             return ph
     return None
+
+
+def activation_view(live: Liveness, the_plan: ResidencyPlan) -> Liveness:
+    """``live`` as the activation planner should see it under ``the_plan``: each offloaded
+    parameter's buffer counts only over its resident intervals (one synthetic buffer per
+    interval, ids after the real ones), and a gradient sent to host stops counting after its
+    ``grad_to_host``. Saved-activation buffers keep their ids, so a plan made on the view applies
+    to the real graphs."""
+    buffers = list(live.buffers)
+    extra: list[Buffer] = []
+    next_id = len(buffers)
+    for p in the_plan.params:
+        b = buffers[p.buffer]
+        buffers[p.buffer] = replace(b, on_device=False)
+        for first, last in p.resident_steps:
+            extra.append(
+                replace(
+                    b, id=next_id, def_step=first, last_step=last, use_steps=(), nodes=(), saved=(), source_step=None
+                )
+            )
+            next_id += 1
+        if p.grad_buffer is not None and p.grad_to_host_after is not None:
+            g = buffers[p.grad_buffer]
+            buffers[p.grad_buffer] = replace(g, last_step=max(g.def_step, p.grad_to_host_after))
+    return replace(live, buffers=tuple(buffers + extra))
