@@ -46,7 +46,7 @@ from ..runtime.param_ops import GRAD_TO_HOST, PARAM_FETCH, PARAM_RELEASE
 from .cost_model import Costs
 from .liveness import Buffer, BufferKind, Liveness
 
-__all__ = ["ParamResidency", "ResidencyPlan", "plan", "apply", "activation_view", "MODES"]
+__all__ = ["ParamResidency", "ResidencyPlan", "plan", "apply", "activation_view", "copy_tasks", "MODES"]
 
 MODES = ("activations+params", "all")
 
@@ -428,3 +428,32 @@ def activation_view(live: Liveness, the_plan: ResidencyPlan) -> Liveness:
             g = buffers[p.grad_buffer]
             buffers[p.grad_buffer] = replace(g, last_step=max(g.def_step, p.grad_to_host_after))
     return replace(live, buffers=tuple(buffers + extra))
+
+
+def copy_tasks(the_plan: ResidencyPlan, costs: Costs, first_id: int = 0) -> list:
+    """The simulator's copy tasks of ``the_plan`` (ids from ``first_id``): per parameter fetch,
+    an H2D copy issued at the fetch and waited for at its first reader; per write-back
+    (``"activations+params"``), a D2H copy waited for where the storage is freed; per gradient
+    sent to host, a D2H copy issued after the gradient is made and waited for at the step's end.
+
+    The model is of the design (copies on the copy streams); see the README's limits for the
+    runtime's synchronous parameter copies.
+    """
+    from .simulate import CopyTask
+
+    tasks = []
+    n = the_plan.num_steps
+
+    def add(direction, nbytes, issue, wait):
+        tasks.append(CopyTask(first_id + len(tasks), direction, costs.transfer_seconds(nbytes, direction), issue, wait))
+
+    for p in the_plan.params:
+        if p.fw_fetch_before is not None and the_plan.mode == "all":
+            add("h2d", p.nbytes, p.fw_fetch_before, p.fw_fetch_before + p.fw_window_steps)
+        if p.fw_release_after is not None and the_plan.mode == "activations+params":
+            add("d2h", p.nbytes, p.fw_release_after + 1, p.fw_release_after + 1)
+        if p.bw_fetch_before is not None:
+            add("h2d", p.nbytes, p.bw_fetch_before, min(n, p.bw_fetch_before + p.bw_window_steps))
+        if p.grad_to_host_after is not None:
+            add("d2h", p.nbytes, p.grad_to_host_after + 1, n)
+    return tasks
