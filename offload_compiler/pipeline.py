@@ -244,6 +244,12 @@ class CompileSession:
                 model_state["plan"], peak_bytes=the_plan.peak_bytes_planned, peak_bytes_resident_params=resident_peak
             )
             param_residency.apply(pair, residency, step_nodes)
+            if opts.verify:
+                errors = param_residency.check(pair, residency)
+                if errors:
+                    raise verify.VerificationError(
+                        "trinity verification of parameter residency failed:\n  - " + "\n  - ".join(errors)
+                    )
             self.residency_plans.append(residency)
             seconds["param_residency"] += time.perf_counter() - t0
             log.info("%s", residency.summary())

@@ -335,3 +335,28 @@ def test_all_with_activation_budget_parity_and_measured_peak():
     m = measure_peak_device_bytes(lambda: cm(idx, t).backward(), resident=[], device="cpu")
     assert m.peak_bytes <= report.peak_bytes_planned + 64 * 1024, (m.peak_bytes, report.peak_bytes_planned)
     assert m.peak_bytes < 0.5 * report.param_offload["peak_bytes_resident_params"]
+
+
+def test_verifier_catches_a_parameter_read_after_its_release(monkeypatch):
+    """A residency plan that releases each parameter right where it is fetched (before its
+    readers) is refused at compile time, naming the reader."""
+    import dataclasses
+
+    from offload_compiler.passes import param_residency
+
+    real_plan = param_residency.plan
+
+    def broken(*args, **kwargs):
+        p = real_plan(*args, **kwargs)
+        params = tuple(
+            dataclasses.replace(q, fw_release_after=q.fw_fetch_before) if q.fw_fetch_before is not None else q
+            for q in p.params
+        )
+        return dataclasses.replace(p, params=params)
+
+    monkeypatch.setattr(param_residency, "plan", broken)
+    ref, cref, model, cm = pair("all")
+    with pytest.raises(
+        Exception, match=r"parameter residency failed:[\s\S]*reads parameter primals_\d+ .* while it is released"
+    ):
+        cm(*batch())

@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
+import torch
 import torch.fx as fx
 
 from ..graph_pair import GraphPair
@@ -46,7 +47,7 @@ from ..runtime.param_ops import GRAD_TO_HOST, PARAM_FETCH, PARAM_RELEASE
 from .cost_model import Costs
 from .liveness import Buffer, BufferKind, Liveness
 
-__all__ = ["ParamResidency", "ResidencyPlan", "plan", "apply", "activation_view", "copy_tasks", "MODES"]
+__all__ = ["ParamResidency", "ResidencyPlan", "plan", "apply", "activation_view", "copy_tasks", "check", "MODES"]
 
 MODES = ("activations+params", "all")
 
@@ -457,3 +458,57 @@ def copy_tasks(the_plan: ResidencyPlan, costs: Costs, first_id: int = 0) -> list
         if p.grad_to_host_after is not None:
             add("d2h", p.nbytes, p.grad_to_host_after + 1, n)
     return tasks
+
+
+def check(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:
+    """Invariants of a rewritten pair: no node reads an offloaded parameter's storage (any view
+    of it) while it is released, in either graph; every release follows a fetch. Returns the
+    violations (empty when none).
+
+    A parameter is resident at the start of the forward with ``"activations+params"`` and
+    released with ``"all"``; the backward starts with whatever the forward left.
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    errors: list[str] = []
+    by_slot = {p.slot: p for p in the_plan.params}
+    resident = {p.slot: the_plan.mode == "activations+params" for p in the_plan.params}
+    for graph_name, gm in (("forward", pair.forward), ("backward", pair.backward)):
+        storage_slot: dict = {}
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target in (PARAM_FETCH, PARAM_RELEASE):
+                slot = n.args[1]
+                val = n.args[0].meta.get("val")
+                if val is not None:
+                    storage_slot[StorageWeakRef(val.untyped_storage())] = slot
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target is PARAM_FETCH:
+                resident[n.args[1]] = True
+                continue
+            if n.op == "call_function" and n.target is PARAM_RELEASE:
+                if not resident[n.args[1]]:
+                    errors.append(f"{graph_name}: {n.name} releases slot {n.args[1]} that is not resident")
+                resident[n.args[1]] = False
+                continue
+            if n.op in ("placeholder", "output"):
+                continue
+            for m in n.all_input_nodes:
+                val = m.meta.get("val")
+                if not isinstance(val, torch.Tensor):
+                    continue
+                slot = storage_slot.get(StorageWeakRef(val.untyped_storage()))
+                if slot is not None and not resident[slot] and not _metadata_only(n):
+                    errors.append(
+                        f"{graph_name}: {n.name} reads parameter {by_slot[slot].placeholder} (via {m.name}) "
+                        "while it is released"
+                    )
+    return errors
+
+
+def _metadata_only(node: fx.Node) -> bool:
+    """A view op (reads no data): allowed on a released storage."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    info = schema.returns[0].alias_info
+    return info is not None and not info.is_write
