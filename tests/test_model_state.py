@@ -360,3 +360,30 @@ def test_verifier_catches_a_parameter_read_after_its_release(monkeypatch):
         Exception, match=r"parameter residency failed:[\s\S]*reads parameter primals_\d+ .* while it is released"
     ):
         cm(*batch())
+
+
+def test_all_dynamic_batch_one_compile():
+    torch.manual_seed(0)
+    ref = GPTLoss(SMALL)
+    model = copy.deepcopy(ref)
+    before = len(offload_compiler.reports())
+    cref = torch.compile(ref, backend="aot_eager", dynamic=True)
+    options = {"inner": "eager", "offload": "all", "memory_budget": "50%", "min_offload_bytes": 0}
+    cm = torch.compile(model, backend="trinity", options=options, dynamic=True)
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), CPUOptimizer(model.parameters(), lr=1e-2)
+    for step, b in enumerate((2, 3, 5)):
+        idx, t = batch(b=b, seed=step)
+        l_ref, loss = cref(idx, t), cm(idx, t)
+        assert torch.equal(l_ref, loss), f"batch {b}: loss differs"
+        l_ref.backward()
+        loss.backward()
+        for (name, p), g in zip(ref.named_parameters(), opt.host_grads()):
+            assert torch.equal(p.grad, g), f"batch {b}: grad of {name} differs"
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    assert len(offload_compiler.reports()) == before + 1
+    with materialized(model.parameters()):
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(a, b), name
