@@ -87,8 +87,8 @@ def rewrite_inference(
     spec = cost_model.apply_overrides(detect_device_spec(torch.device(live.device), options.device), options)
     costs = cost_model.estimate(pair, live, spec)
     chosen = {i: (s.id, s.host_bytes) for i, s in slots.items()}
-    the_plan = param_residency.plan(
-        pair, live, costs, chosen, options.offload, live.live_bytes(), None, host_grad=False
-    )
+    # Forward-only: every parameter read is fetched (with "activations+params" a parameter is
+    # released only after a training forward whose backward never ran; the fetch restores it).
+    the_plan = param_residency.plan(pair, live, costs, chosen, "all", live.live_bytes(), None, host_grad=False)
     param_residency.apply(pair, the_plan, step_nodes, release=options.offload == "all", backward=False)
     return the_plan

@@ -387,3 +387,28 @@ def test_all_dynamic_batch_one_compile():
     with materialized(model.parameters()):
         for (name, a), b in zip(model.named_parameters(), ref.parameters()):
             assert torch.equal(a, b), name
+
+
+def test_activations_params_forward_without_backward_then_eval():
+    """A training forward whose backward never runs leaves parameters released; the next eval
+    (compiled, under no_grad), eager reads inside materialized() and the next step still see
+    the real values."""
+    ref, cref, model, cm = pair("activations+params")
+    idx, t = batch()
+    cm(idx, t).backward()
+    cref(idx, t).backward()
+    cm(idx, t)  # no backward
+    assert storage_bytes(model) < sum(p.numel() * 4 for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(cm(idx, t), cref(idx, t))
+    with materialized(model.parameters()):
+        for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+            assert torch.equal(a, b), name
+    for p in model.parameters():
+        p.grad = None
+    for p in ref.parameters():
+        p.grad = None
+    cm(idx, t).backward()
+    cref(idx, t).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
