@@ -17,12 +17,13 @@ from .report import TrinityReport, last_report, reports
 from .runtime import ops as _ops  # noqa: F401  (registers the trinity::* custom ops)
 from .runtime.accounting import MemoryMeasurement, measure_peak_device_bytes
 from .runtime.cpu_optim import CPUOptimizer
-from .runtime.model_state import materialized
+from .runtime.model_state import install_state_dict_hooks, materialized
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CPUOptimizer",
+    "install_state_dict_hooks",
     "materialized",
     "MemoryBudget",
     "MemoryMeasurement",

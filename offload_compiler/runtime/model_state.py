@@ -22,8 +22,9 @@ from the parameter through the attribute ``_trinity_slot`` (:func:`slot_of`), so
 as long as the parameter or the compiled code that uses it; there is no module-level state other
 than that registry.
 
-Between steps, with ``offload="all"``, a parameter holds no device storage: read it (``state_dict``,
-an eager forward, ``load_state_dict``) inside :func:`materialized`.
+Between steps, with ``offload="all"``, a parameter holds no device storage: read it (an eager
+forward, ``state_dict``, ``load_state_dict``) inside :func:`materialized`, or let
+:func:`install_state_dict_hooks` make ``state_dict``/``load_state_dict`` work on their own.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 
 from .pool import HostPool
 
-__all__ = ["ParamSlot", "get_slot", "slot_of", "ensure_slot", "materialized", "SLOT_ATTR"]
+__all__ = ["ParamSlot", "get_slot", "slot_of", "ensure_slot", "materialized", "install_state_dict_hooks", "SLOT_ATTR"]
 
 SLOT_ATTR = "_trinity_slot"
 
@@ -221,3 +222,44 @@ def materialized(params: Iterable[torch.Tensor]) -> Iterator[None]:
         for slot in slots:
             if not slot.keep_resident:
                 slot.release(write_back=True)
+
+
+def install_state_dict_hooks(module: torch.nn.Module) -> list:
+    """Make ``module.state_dict()`` and ``module.load_state_dict()`` work between steps without
+    :func:`materialized`.
+
+    * ``state_dict()``: each offloaded parameter's entry is its host master copy (current: pending
+      CPU-optimizer updates are waited for), a host tensor shaped like the parameter. On a GPU the
+      entry is therefore a CPU tensor; ``torch.save`` and ``load_state_dict`` accept it.
+    * ``load_state_dict()``: offloaded parameters are fetched before the load and, with
+      ``offload="all"``, written back into their master copies and released after it.
+
+    Returns the hook handles (``handle.remove()`` undoes them). Parameters offloaded later (the
+    model compiled after this call) are covered too: the hooks look the slots up at each call.
+    """
+
+    def state_dict_post_hook(mod, state_dict, prefix, local_metadata):
+        for name, p in mod.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+            slot = slot_of(p)
+            if slot is not None and name in state_dict:
+                slot.wait_ready()
+                if not slot.keep_resident or not slot.resident:
+                    state_dict[name] = slot.master.detach()
+
+    def load_pre_hook(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for p in mod.parameters():
+            slot = slot_of(p)
+            if slot is not None:
+                slot.fetch()
+
+    def load_post_hook(mod, incompatible_keys):
+        for p in mod.parameters():
+            slot = slot_of(p)
+            if slot is not None and not slot.keep_resident:
+                slot.release(write_back=True)
+
+    return [
+        module.register_state_dict_post_hook(state_dict_post_hook),
+        module.register_load_state_dict_pre_hook(load_pre_hook),
+        module.register_load_state_dict_post_hook(load_post_hook),
+    ]
