@@ -442,3 +442,37 @@ def test_state_dict_hooks_between_steps_without_materialized():
     assert storage_bytes(model) == 0
     idx, t = batch(seed=5)
     assert torch.equal(cm(idx, t), cref(idx, t))
+
+
+def test_overlap_backward_updates_start_during_the_backward_and_match():
+    """overlap="backward": chunks are updated while the backward still runs (before step()), with
+    gradient accumulation; values stay bit-identical to eager AdamW."""
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    ref, cref, model, cm = pair("all", cfg)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    opt = CPUOptimizer(model.parameters(), SlowAdamW, lr=3e-3, chunk_bytes=1, overlap="backward", accumulation_steps=2)
+    started_early = []
+    for step in range(4):
+        for k in range(2):
+            idx, t = batch(cfg, b=2, seed=10 * step + k)
+            l_ref, loss = cref(idx, t) / 2, cm(idx, t) / 2
+            assert torch.equal(l_ref, loss), f"step {step}.{k}: loss differs"
+            l_ref.backward()
+            loss.backward()
+        if opt._chunks is not None:
+            started_early.append(sum(c.enqueued for c in opt._chunks))
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    # From the second step on (chunks exist), every chunk with gradients started in the backward.
+    assert started_early and all(n == len(opt._chunks) for n in started_early), started_early
+    with materialized(model.parameters()):
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="overlap='backward'"):
+        opt.clip_grad_norm_(1.0)
+    with pytest.raises(ValueError, match="overlap"):
+        CPUOptimizer(model.parameters(), overlap="sideways")
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        CPUOptimizer(model.parameters(), overlap="backward", accumulation_steps=0)

@@ -13,8 +13,9 @@ schedule (steps as in :mod:`.liveness`):
   user's own optimizer updates it on the device); the forward's release then writes the device
   value back to the host master first.
 * with ``"all"``, the parameter's gradient goes to host memory (``grad_to_host``) right after the
-  node that produces it, and the backward returns ``None`` in its place: nothing of it stays on
-  the device.
+  node that produces it (or after the parameter's last backward reader, if that comes later: from
+  then on the CPU optimizer may update the parameter), and the backward returns ``None`` in its
+  place: nothing of it stays on the device.
 
 **Working window.** A fetch is issued ``window_steps`` nodes before the reader, the fewest such
 that the cost model's compute time of those nodes covers the parameter's host-to-device copy
@@ -238,7 +239,10 @@ def plan(
                 g = bw_out[index]
                 gstep = live.step_named("backward", g.name)
                 readers = [live.step_named("backward", u.name) for u in g.users if u.op != "output"]
-                grad_after = max([gstep, *readers])
+                # Not before the parameter's last backward reader either: once its gradient is on
+                # the host, the CPU optimizer may update the master copy (CPUOptimizer with
+                # overlap="backward"), which a later fetch in this backward would read.
+                grad_after = max([gstep, *readers] + ([bw_release] if bw_release is not None else []))
                 grad_buffer = buffer_of_node.get("backward:" + g.name)
             out.append(
                 ParamResidency(

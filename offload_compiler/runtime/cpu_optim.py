@@ -14,6 +14,13 @@ last chunks are still being updated. ``state_dict()``, ``load_state_dict()``,
 ``clip_grad_norm_()``, :func:`~offload_compiler.runtime.model_state.materialized` and
 ``synchronize()`` wait for the worker.
 
+With ``overlap="backward"`` the update of a chunk starts during the backward, as soon as every
+gradient of the chunk is final (after ``accumulation_steps`` backwards since ``zero_grad``): it
+overlaps the backward of the layers still to come. The graph sends a parameter's gradient to the
+host only after the parameter's last backward reader, so no later part of the backward reads a
+parameter being updated. Clipping by total norm needs every gradient first, so it is refused in
+that mode. ``step()`` then starts what is left (chunks with a parameter that got no gradient).
+
 The user's loop stays ``loss.backward(); opt.step(); opt.zero_grad()``; gradient clipping is
 ``opt.clip_grad_norm_(max_norm)`` (``torch.nn.utils.clip_grad_norm_`` on the host gradients:
 with ``"all"`` the device parameters' ``.grad`` stays ``None``).
@@ -39,6 +46,9 @@ class _Chunk:
         self.slots = slots
         self.optimizer = optimizer
         self.groups = groups  # user group index of each inner group
+        self.needs: set[int] = set()  # slot ids whose gradient the chunk's update waits for
+        self.done: set[int] = set()  # of those, the ones final for this step
+        self.enqueued = False  # handed to the worker this step
 
 
 class CPUOptimizer:
@@ -52,11 +62,15 @@ class CPUOptimizer:
         optimizer_class: a ``torch.optim.Optimizer`` subclass (default ``torch.optim.AdamW``).
         chunk_bytes: parameters are updated in chunks of about this many bytes (default 16 MiB);
             smaller chunks let the next forward start earlier.
+        overlap: ``"forward"`` (updates start at ``step()`` and overlap the next forward) or
+            ``"backward"`` (updates start during the last backward of the step; no clipping).
+        accumulation_steps: with ``overlap="backward"``, backwards per optimizer step (gradient
+            accumulation micro-steps).
         **defaults: the optimizer's options (``lr``, ``betas``, ``weight_decay``, ``foreach``...).
 
     Raises:
-        ValueError: for an empty parameter list, a closure passed to ``step`` or a non-positive
-            ``chunk_bytes``.
+        ValueError: for an empty parameter list, a closure passed to ``step``, a non-positive
+            ``chunk_bytes`` or ``accumulation_steps``, or an unknown ``overlap``.
     """
 
     def __init__(
@@ -65,10 +79,18 @@ class CPUOptimizer:
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         *,
         chunk_bytes: int = 16 * 2**20,
+        overlap: str = "forward",
+        accumulation_steps: int = 1,
         **defaults: Any,
     ):
         if chunk_bytes <= 0:
             raise ValueError(f"CPUOptimizer: chunk_bytes must be positive, got {chunk_bytes}")
+        if overlap not in ("forward", "backward"):
+            raise ValueError(f"CPUOptimizer: overlap must be 'forward' or 'backward', got {overlap!r}")
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"CPUOptimizer: accumulation_steps must be a positive int, got {accumulation_steps!r}")
+        self.overlap = overlap
+        self.accumulation_steps = accumulation_steps
         params = list(params)
         if not params:
             raise ValueError("CPUOptimizer: got an empty parameter list")
@@ -141,6 +163,7 @@ class CPUOptimizer:
             opt = self.optimizer_class(inner_groups)
             chunk = _Chunk(order, [slots[i] for i in order], opt, sorted(by_group))
             chunk.shadows = [shadows[i] for i in order]
+            chunk.needs = {slots[i].id for i in order if self._params[i].requires_grad}
             chunks.append(chunk)
 
         for i, s in enumerate(slots):
@@ -151,7 +174,44 @@ class CPUOptimizer:
                 current, size = [], 0
         close()
         self._chunks = chunks
+        if self.overlap == "backward":
+            self._chunk_of = {s.id: c for c in chunks for s in c.slots}
+            for c in chunks:
+                for s in c.slots:
+                    s.on_grad = self._grad_ready
         return chunks
+
+    def _grad_ready(self, slot: ParamSlot) -> None:
+        """A gradient reached the host (overlap="backward"): once every gradient of a chunk is
+        final for this step (``accumulation_steps`` micro-steps), start the chunk's update. The
+        graph sends a gradient to the host only after the parameter's last backward reader, so
+        nothing later in this backward reads the value being updated."""
+        if slot.num_grads < self.accumulation_steps:
+            return
+        chunk = self._chunk_of.get(slot.id)
+        if chunk is None or chunk.enqueued:
+            return
+        chunk.done.add(slot.id)
+        if chunk.needs <= chunk.done:
+            self._enqueue([chunk])
+
+    def _enqueue(self, chunks: list[_Chunk]) -> None:
+        for chunk in chunks:
+            for inner_group, g in zip(chunk.optimizer.param_groups, chunk.groups):
+                for k, v in self.param_groups[g].items():
+                    inner_group[k] = v
+            for s, shadow in zip(chunk.slots, chunk.shadows):
+                # The device copy (if any, e.g. after an exception mid-step) never changes
+                # inside a step with offload="all"; the master is the current value.
+                s.release(write_back=False)
+                shadow.grad = s.grad if s.grad_valid else None
+                s.ready.clear()
+            chunk.enqueued = True
+        self._ensure_worker()
+        with self._cv:
+            self._pending += len(chunks)
+        for chunk in chunks:
+            self._queue.put(chunk)
 
     # ------------------------------------------------------------------ the worker
     def _ensure_worker(self) -> None:
@@ -198,31 +258,27 @@ class CPUOptimizer:
         """
         if closure is not None:
             raise ValueError("CPUOptimizer.step: closures are not supported")
-        self.synchronize()
+        if self.overlap == "forward" or self._chunks is None:
+            self.synchronize()
+        elif self._error is not None:
+            raise RuntimeError("CPUOptimizer: an update on the worker thread failed") from self._error
         chunks = self._build()
-        for chunk in chunks:
-            for inner_group, g in zip(chunk.optimizer.param_groups, chunk.groups):
-                for k, v in self.param_groups[g].items():
-                    inner_group[k] = v
-            for s, shadow in zip(chunk.slots, chunk.shadows):
-                # The device copy (if any, e.g. after an exception mid-step) never changes
-                # inside a step with offload="all"; the master is the current value.
-                s.release(write_back=False)
-                shadow.grad = s.grad if s.grad_valid else None
-                s.ready.clear()
-        self._ensure_worker()
-        with self._cv:
-            self._pending += len(chunks)
-        for chunk in chunks:
-            self._queue.put(chunk)
+        # overlap="backward": the chunks whose gradients were complete already started.
+        self._enqueue([c for c in chunks if not c.enqueued])
+        for c in chunks:
+            c.enqueued = False
+            c.done.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the host gradients: the next backward writes them afresh (``set_to_none``) or
         they are zeroed (``set_to_none=False``, after the pending updates)."""
+        for c in self._chunks or ():
+            c.done.clear()
         for p in self._params:
             s = slot_of(p)
             if s is None or s.grad is None:
                 continue
+            s.num_grads = 0
             if set_to_none:
                 s.grad_valid = False
             else:
@@ -240,7 +296,16 @@ class CPUOptimizer:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the host gradients, in parameter order (as
-        over ``model.parameters()`` in eager); returns the total norm."""
+        over ``model.parameters()`` in eager); returns the total norm.
+
+        Raises:
+            ValueError: with ``overlap="backward"`` (updates start before every gradient is known).
+        """
+        if self.overlap == "backward":
+            raise ValueError(
+                "CPUOptimizer.clip_grad_norm_: with overlap='backward' updates start during the backward, before "
+                "the total norm is known; use overlap='forward' to clip"
+            )
         self.synchronize()
         shadow_of = {}
         for chunk in self._build():

@@ -85,6 +85,8 @@ class ParamSlot:
         )
         self.grad: torch.Tensor | None = None  # host gradient (offload="all"), allocated by enable_host_grad
         self.grad_valid = False  # False after zero_grad: the next add_grad copies
+        self.num_grads = 0  # gradients accumulated since zero_grad (micro-steps)
+        self.on_grad = None  # called with the slot after each add_grad (CPUOptimizer, overlap="backward")
         self.resident = True
         self.ready = threading.Event()  # cleared while an optimizer update of the master is pending
         self.ready.set()
@@ -155,9 +157,13 @@ class ParamSlot:
         self.wait_ready()
         if self.grad_valid:
             self.grad.add_(g.to(self.grad.device))
+            self.num_grads += 1
         else:
             self.grad.copy_(g)
             self.grad_valid = True
+            self.num_grads = 1
+        if self.on_grad is not None:
+            self.on_grad(self)
 
 
 def get_slot(slot_id: int) -> ParamSlot:
