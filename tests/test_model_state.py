@@ -476,3 +476,19 @@ def test_overlap_backward_updates_start_during_the_backward_and_match():
         CPUOptimizer(model.parameters(), overlap="sideways")
     with pytest.raises(ValueError, match="accumulation_steps"):
         CPUOptimizer(model.parameters(), overlap="backward", accumulation_steps=0)
+
+
+@pytest.mark.parametrize("true_depth,max_depth", [(0, 48), (1, 48), (5, 48), (17, 48), (47, 48), (48, 48), (90, 48)])
+def test_bench_largest_depth_search(true_depth, max_depth):
+    from bench.model_state import largest_depth
+
+    calls = []
+
+    def measure(d):
+        calls.append(d)
+        return {"peak_bytes": 100 * d}  # fits the budget up to true_depth
+
+    depth, rows = largest_depth(measure, 100 * true_depth, max_depth, lambda _: None)
+    assert depth == min(true_depth, max_depth)
+    assert [r["depth"] for r in rows] == sorted(set(calls))
+    assert len(calls) == len(set(calls)) <= 2 * max_depth.bit_length() + 2
