@@ -8,16 +8,23 @@ this package gives the reports and the tools::
     offload_compiler.last_report()          # what the planner did to the last compiled graph pair
     offload_compiler.reports()              # all of them
     offload_compiler.measure_peak_device_bytes(step)   # peak device bytes, with or without a GPU
+    offload_compiler.CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=...)  # offload="all"
+    with offload_compiler.materialized(model.parameters()): ...  # real parameters between steps
 """
 
 from .options import MemoryBudget, TrinityOptions, format_bytes, parse_size
 from .report import TrinityReport, last_report, reports
 from .runtime import ops as _ops  # noqa: F401  (registers the trinity::* custom ops)
 from .runtime.accounting import MemoryMeasurement, measure_peak_device_bytes
+from .runtime.cpu_optim import CPUOptimizer
+from .runtime.model_state import install_state_dict_hooks, materialized
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPUOptimizer",
+    "install_state_dict_hooks",
+    "materialized",
     "MemoryBudget",
     "MemoryMeasurement",
     "TrinityOptions",

@@ -97,6 +97,16 @@ def trinity(
     )
     session = CompileSession(opts, device, runtime)
     partitioner = TrinityPartitioner(session)
+    if opts.offload != "activations":
+        if opts.inner != "eager":
+            raise ValueError(
+                f"trinity option 'offload': {opts.offload!r} needs inner='eager' (parameter storages are "
+                "resized inside the graph, which Inductor's buffer planning does not allow); got "
+                f"inner={opts.inner!r}"
+            )
+        from .param_offload import make_slots
+
+        session.param_slots = make_slots(example_inputs, opts, opts.host_pool_limit_bytes or default_host_pool_limit())
 
     if opts.inner == "inductor":
         from torch._inductor import list_mode_options
@@ -123,11 +133,23 @@ def trinity(
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
 
+        extra = {}
+        if session.param_slots:
+            from .param_offload import rewrite_inference
+
+            def inference_compiler(gm: fx.GraphModule, inputs):
+                plan = rewrite_inference(gm, session.param_slots, opts)
+                if plan is not None:
+                    session.residency_plans.append(plan)
+                return boxed_nop(gm, inputs)
+
+            extra["inference_compiler"] = inference_compiler
         backend = aot_autograd(
             fw_compiler=boxed_nop,
             bw_compiler=boxed_nop,
             partition_fn=partitioner,
             keep_inference_input_mutations=True,
+            **extra,
         )
         with _no_caches():
             compiled = backend(gm, example_inputs)
@@ -138,4 +160,5 @@ def trinity(
     holder = innermost_fn(compiled)
     holder._trinity_runtime = runtime
     holder._trinity_session = session
+    holder._trinity_param_slots = tuple(session.param_slots.values())
     return compiled

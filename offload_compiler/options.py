@@ -176,6 +176,7 @@ class MemoryBudget:
 
 _INNER = ("inductor", "eager")
 _ON_INFEASIBLE = ("error", "warn")
+_OFFLOAD = ("activations", "activations+params", "all")
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,12 @@ class TrinityOptions:
         fault_injection: a seed turns on the runtime's fault injection (for tests, on a CPU:
             copies deferred to their waits, fresh buffers poisoned with NaN, pool blocks handed
             out in random order; see ``offload_compiler.runtime.transfer.FaultInjection``).
+        offload: what lives in host memory: ``"activations"`` (saved activations the plan
+            evicts; the default), ``"activations+params"`` (also parameters, fetched to the device
+            around their uses inside the step and resident between steps) or ``"all"`` (also
+            gradients and optimizer state: parameters live in host memory between steps, gradients
+            go to host memory as produced, ``offload_compiler.CPUOptimizer`` steps on the CPU).
+            Parameter offload needs ``inner="eager"``.
     """
 
     memory_budget: MemoryBudget = field(default_factory=lambda: MemoryBudget("auto"))
@@ -229,6 +236,7 @@ class TrinityOptions:
     device_memory_bytes: int | None = None
     inductor_config: tuple[tuple[str, Any], ...] = ()
     fault_injection: int | None = None
+    offload: Literal["activations", "activations+params", "all"] = "activations"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -327,6 +335,10 @@ def _validate(name: str, value: Any, where: str) -> Any:
     if name == "on_host_pool_full":
         if value not in ("fallback", "error"):
             raise bad("'fallback' or 'error'")
+        return value
+    if name == "offload":
+        if value not in _OFFLOAD:
+            raise bad("one of " + ", ".join(repr(v) for v in _OFFLOAD))
         return value
     if name == "on_infeasible":
         if value not in _ON_INFEASIBLE:

@@ -16,6 +16,7 @@ Each pass is timed; with ``dump_dir`` the graphs are written before and after th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -66,11 +67,20 @@ def resolve_budget(
 
 
 def plan_pair(
-    pair: GraphPair, options: TrinityOptions, spec: DeviceSpec | None = None
+    pair: GraphPair, options: TrinityOptions, spec: DeviceSpec | None = None, model_state: dict | None = None
 ) -> tuple[liveness.Liveness, cost_model.Costs, int | None, plan_window.Plan, dict[str, float]]:
     """Run the analyses and the planner on ``pair`` without changing it.
 
-    Returns ``(liveness, costs, budget_bytes, plan, pass_seconds)``.
+    ``model_state`` (``offload`` other than ``"activations"``): forward input position ->
+    ``(slot id, host bytes)`` of the parameters to offload. Their residency is planned first
+    (:mod:`.passes.param_residency`); the activation planner then sees device memory with that
+    residency (:func:`~.passes.param_residency.activation_view`); if the working windows make the
+    budget unreachable, both are planned again without windows. The residency plan is left in
+    ``model_state["plan"]``, the liveness without the view in ``model_state["liveness"]``, and
+    the time of both planners in ``pass_seconds["param_residency"]``.
+
+    Returns ``(liveness, costs, budget_bytes, plan, pass_seconds)``; with ``model_state`` the
+    liveness returned is the activation view.
     """
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -88,6 +98,24 @@ def plan_pair(
     )
     budget = resolve_budget(options.memory_budget, live.peak_bytes, device, options, resident)
     t0 = time.perf_counter()
+    if model_state:
+        from .passes import param_residency
+
+        t0 = time.perf_counter()
+        chosen = {i: v for i, v in model_state.items() if isinstance(i, int)}
+        model_state["liveness"] = real = live
+        for use_windows in (True, False):
+            residency = param_residency.plan(
+                pair, real, costs, chosen, options.offload, real.live_bytes(), budget, use_windows=use_windows
+            )
+            live = param_residency.activation_view(real, residency)
+            the_plan = plan_window.plan(live, costs, budget, options.min_offload_bytes)
+            if the_plan.feasible or not residency.max_window_steps:
+                break
+        model_state["plan"] = residency
+        seconds["param_residency"] = time.perf_counter() - t0
+        seconds["plan_window"] = 0.0
+        return live, costs, budget, the_plan, seconds
     the_plan = plan_window.plan(live, costs, budget, options.min_offload_bytes)
     seconds["plan_window"] = time.perf_counter() - t0
     return live, costs, budget, the_plan, seconds
@@ -145,6 +173,9 @@ class CompileSession:
         self.device = device
         self.runtime = runtime
         self.reports: list[TrinityReport] = []
+        # offload="activations+params"/"all": forward input position -> ParamSlot (set by the backend)
+        self.param_slots: dict = {}
+        self.residency_plans: list = []
 
     def run(
         self, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, static_input_indices
@@ -163,7 +194,12 @@ class CompileSession:
         reorder_seconds = time.perf_counter() - t0
         if dumper and moved:
             dumper.graphs("05_reorder", forward, backward)
-        live, costs, budget, the_plan, seconds = plan_pair(pair, opts)
+        model_state = None
+        if self.param_slots:
+            static = set(pair.static_input_indices)
+            model_state = {i: (s.id, s.host_bytes) for i, s in self.param_slots.items() if i in static}
+        live, costs, budget, the_plan, seconds = plan_pair(pair, opts, model_state=model_state)
+        step_nodes = list(forward.graph.nodes) + list(backward.graph.nodes)
         seconds = {"reorder": reorder_seconds, **seconds}
         if dumper:
             dumper.json("liveness.json", _liveness_json(live, costs))
@@ -186,15 +222,42 @@ class CompileSession:
             insert_transfers.apply(pair, live, the_plan, self.runtime.id, fence_readers=opts.inner == "inductor")
         seconds["insert_transfers"] = time.perf_counter() - t0
         planned_peak = the_plan.peak_bytes_planned
+        # Before the parameter rewrite the graphs hold every parameter throughout: that is what
+        # the verifier re-measures (the budget applies to the peak with parameter residency).
+        resident_peak = the_plan.peak_bytes_planned
+        if model_state:
+            resident_peak = int(plan_window.planned_live_bytes(model_state["liveness"], the_plan.evictions).max())
         if opts.verify:
             t0 = time.perf_counter()
-            planned_peak = verify.verify(
+            verified = verify.verify(
                 pair,
-                budget if the_plan.feasible else None,
-                expected_peak_bytes=the_plan.peak_bytes_planned,
+                budget if the_plan.feasible and not model_state else None,
+                expected_peak_bytes=resident_peak,
                 assume_fusion=opts.inner == "inductor",
             )
+            if not model_state:
+                planned_peak = verified
             seconds["verify"] = time.perf_counter() - t0
+        residency = None
+        if model_state:
+            from .passes import param_residency
+
+            t0 = time.perf_counter()
+            residency = dataclasses.replace(
+                model_state["plan"], peak_bytes=the_plan.peak_bytes_planned, peak_bytes_resident_params=resident_peak
+            )
+            param_residency.apply(pair, residency, step_nodes)
+            if opts.verify:
+                errors = param_residency.check(pair, residency)
+                if errors:
+                    raise verify.VerificationError(
+                        "trinity verification of parameter residency failed:\n  - " + "\n  - ".join(errors)
+                    )
+            self.residency_plans.append(residency)
+            seconds["param_residency"] += time.perf_counter() - t0
+            log.info("%s", residency.summary())
+            if dumper:
+                dumper.text("residency.json", residency.to_json())
         if dumper:
             dumper.graphs("10_insert_transfers", forward, backward)
             dumper.text("plan.json", the_plan.to_json())
@@ -230,6 +293,19 @@ class CompileSession:
             runtime_id=self.runtime.id,
             device_name=costs.device.name,
             size_bounds=size_guards.bounds,
+            param_offload=(
+                {
+                    "mode": residency.mode,
+                    "num_params": len(residency.params),
+                    "host_bytes": residency.host_bytes,
+                    "peak_bytes": residency.peak_bytes,
+                    "peak_bytes_resident_params": residency.peak_bytes_resident_params,
+                    "max_window_steps": residency.max_window_steps,
+                    "window_seconds": residency.window_seconds,
+                }
+                if residency is not None
+                else None
+            ),
         )
         if dumper:
             dumper.text("report.json", report.to_json())

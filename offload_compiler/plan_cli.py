@@ -5,7 +5,11 @@ laptop), runs the same passes as the backend (reorder, liveness, cost model, pla
 budget against a device's figures, and prints a table: parameters, the peak without offloading,
 the planned peak, the predicted step time and the copy time left exposed. Optimizer state
 (``adamw``: two tensors per parameter; ``sgd``: one momentum tensor; ``none``) is resident device
-memory and counts in every peak. It draws the memory/time frontier over the budgets as a PNG and
+memory and counts in every peak, except with ``--offload all``. ``--offload`` plans model-state
+offloading as the backend's option does: with ``activations+params`` or ``all`` the parameters
+are fetched around their uses (:mod:`.passes.param_residency`), with ``all`` gradients and
+optimizer state live in host memory; the host bytes are reported and the parameter copies are
+part of the simulated step. It draws the memory/time frontier over the budgets as a PNG and
 names the smallest budget whose predicted step is within 5% of the step without offloading.
 
 This is the "impossible trinity" made explicit: a larger model, a faster step or a cheaper GPU.
@@ -24,7 +28,8 @@ import torch
 from .devices import KNOWN_DEVICES, DeviceSpec, lookup_device
 from .graph_pair import fill_tuple_vals
 from .options import MemoryBudget, format_bytes, parse_size
-from .passes import cost_model, liveness, plan_window, reorder
+from .passes import cost_model, liveness, param_residency, plan_window, reorder
+from .passes.simulate import simulate
 
 __all__ = ["PlanRow", "plan_model", "main"]
 
@@ -67,6 +72,8 @@ class PlanResult:
     rows: tuple[PlanRow, ...]
     trace_seconds: float
     plan_seconds: float
+    offload: str = "activations"
+    host_model_state_bytes: int = 0
 
     def within_5_percent(self) -> PlanRow | None:
         """The feasible row with the smallest budget whose step is within 5% of no offloading."""
@@ -118,6 +125,7 @@ def plan_model(
     optimizer: str = "adamw",
     min_offload_bytes: int = 1 << 20,
     hf_overrides: dict | None = None,
+    offload: str = "activations",
 ) -> PlanResult:
     """Plan ``model``'s training step for each budget on ``device`` (see the module docstring).
 
@@ -131,6 +139,8 @@ def plan_model(
 
     if optimizer not in _OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; one of {', '.join(_OPTIMIZER_STATES)}")
+    if offload not in ("activations",) + param_residency.MODES:
+        raise ValueError(f"unknown offload {offload!r}; one of activations, {', '.join(param_residency.MODES)}")
     parsed = []
     for b in budgets:
         if b == "device":
@@ -155,10 +165,34 @@ def plan_model(
     reorder.hoist_frees(pair.backward)
     live = liveness.analyze(pair, assume_fusion=True)
     costs = cost_model.estimate(pair, live, device)
-    state = _OPTIMIZER_STATES[optimizer] * traced.param_bytes
-    unplanned = live.peak_bytes + state
+    full_state = _OPTIMIZER_STATES[optimizer] * traced.param_bytes
+    state = 0 if offload == "all" else full_state
+    unplanned = live.peak_bytes + full_state
+    host = 0
+    chosen: dict[int, tuple[int, int]] = {}
+    if offload != "activations":
+        chosen = {i: (0, 0) for i in pair.static_input_indices}
+        host = traced.param_bytes * (2 if offload == "all" else 1) + (full_state if offload == "all" else 0)
+
+    def plan_at(graph_budget):
+        """The activation plan (on the residency view with parameter offload), its predicted
+        step and exposed copy seconds."""
+        if not chosen:
+            p = plan_window.plan(live, costs, graph_budget, min_offload_bytes)
+            return p, p.predicted_step_seconds, p.exposed_transfer_seconds
+        for use_windows in (True, False):
+            res = param_residency.plan(
+                pair, live, costs, chosen, offload, live.live_bytes(), graph_budget, use_windows=use_windows
+            )
+            p = plan_window.plan(param_residency.activation_view(live, res), costs, graph_budget, min_offload_bytes)
+            if p.feasible or not res.max_window_steps:
+                break
+        tasks = plan_window.copy_tasks(p.evictions, costs)
+        timeline = simulate(costs.step_seconds, tasks + param_residency.copy_tasks(res, costs, len(tasks)))
+        return p, timeline.step_seconds, timeline.exposed_seconds
+
     # The lowest peak any plan reaches: every candidate evicted as tightly as possible.
-    lowest = plan_window.plan(live, costs, 0, min_offload_bytes).lowest_reachable_peak_bytes + state
+    lowest = plan_at(0)[0].lowest_reachable_peak_bytes + state
     rows = []
     for text, budget in parsed:
         total = int(budget.value * unplanned) if budget.kind == "fraction" else int(budget.value)
@@ -166,7 +200,7 @@ def plan_model(
         if total < lowest:
             rows.append(PlanRow(text, total, lowest, lowest, False, float("nan"), float("nan"), 0, 0, False))
             continue
-        p = plan_window.plan(live, costs, graph_budget, min_offload_bytes)
+        p, step_s, exposed_s = plan_at(graph_budget)
         peak = p.peak_bytes_planned + state
         rows.append(
             PlanRow(
@@ -175,8 +209,8 @@ def plan_model(
                 planned_peak_bytes=peak,
                 lowest_reachable_bytes=p.lowest_reachable_peak_bytes + state,
                 feasible=p.feasible,
-                predicted_step_seconds=p.predicted_step_seconds,
-                exposed_seconds=p.exposed_transfer_seconds,
+                predicted_step_seconds=step_s,
+                exposed_seconds=exposed_s,
                 evicted_bytes=p.evicted_bytes,
                 num_evicted=len(p.evictions),
                 fits_device=peak <= device.memory_bytes,
@@ -187,12 +221,14 @@ def plan_model(
         device=device,
         num_params=traced.num_params,
         param_bytes=traced.param_bytes,
-        optimizer_state_bytes=state,
+        optimizer_state_bytes=full_state,
         unplanned_peak_bytes=unplanned,
         compute_seconds=costs.compute_seconds,
         rows=tuple(rows),
         trace_seconds=trace_seconds,
         plan_seconds=time.perf_counter() - t0,
+        offload=offload,
+        host_model_state_bytes=host,
     )
 
 
@@ -252,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated sizes, percentages or 'device'",
     )
     parser.add_argument("--min-offload-bytes", default="1MiB")
+    parser.add_argument(
+        "--offload",
+        default="activations",
+        help="activations (default), activations+params or all (parameters, gradients, optimizer state on the host)",
+    )
     parser.add_argument("--png", default="plan_frontier.png", help="where to draw the frontier ('' for none)")
     parser.add_argument(
         "--hf", action="append", default=[], metavar="KEY=VALUE", help="config override for hf: models (repeatable)"
@@ -286,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             args.optimizer,
             parse_size("--min-offload-bytes", args.min_offload_bytes),
             overrides,
+            args.offload,
         )
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -293,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     console.print(
         f"[bold]{result.model}[/bold]: {result.num_params / 1e9:.3g}B parameters ({format_bytes(result.param_bytes)}), "
         f"batch {args.batch} x {args.seq_len} tokens, {args.dtype}, optimizer {args.optimizer} "
-        f"({format_bytes(result.optimizer_state_bytes)} of state) on {spec.name} "
+        f"({format_bytes(result.optimizer_state_bytes)} of state"
+        + (", on the host" if result.offload == "all" else "")
+        + f") on {spec.name} "
         f"({format_bytes(spec.memory_bytes)}, {spec.h2d_bytes_per_s / 1e9:.0f} GB/s host link)"
     )
     console.print(
@@ -301,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{result.compute_seconds * 1e3:.1f} ms (predicted); traced in {result.trace_seconds:.1f} s, planned "
         f"{len(result.rows)} budgets in {result.plan_seconds:.1f} s"
     )
+    if result.offload != "activations":
+        console.print(
+            f"offload={result.offload}: model state in host memory {format_bytes(result.host_model_state_bytes)} "
+            "(parameter master copies" + (", gradients, optimizer state" if result.offload == "all" else "") + ")"
+        )
     table = Table()
     for col in ("budget", "budget bytes", "planned peak", "fits device", "step (pred.)", "exposed copy", "evicted"):
         table.add_column(col, justify="right", no_wrap=True)
@@ -335,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(
             f"[yellow]even offloading every saved activation, the step needs {format_bytes(lowest)} > "
             f"{format_bytes(spec.memory_bytes)} on {spec.name}: parameters, gradients and optimizer state "
-            "dominate (offloading them is future work)[/yellow]"
+            "dominate" + ("; --offload all moves them to host memory" if result.offload != "all" else "") + "[/yellow]"
         )
     if args.png:
         console.print(f"frontier: {frontier_png(result, Path(args.png))}")

@@ -45,6 +45,10 @@ class TrinityReport:
         device_name: the device figures the cost model used.
         size_bounds: with dynamic shapes and a budget, ``(size symbol, largest size)`` pairs the
             plan is guarded to (a larger size recompiles and plans again); empty otherwise.
+        param_offload: with ``offload`` other than ``"activations"``: the mode, parameters
+            offloaded, host bytes, the predicted peak with parameter residency (``peak_bytes``, the
+            same as ``peak_bytes_planned``) and with parameters resident throughout
+            (``peak_bytes_resident_params``), and the working window (``max_window_steps`` nodes, ``window_seconds``); else ``None``.
     """
 
     graph_id: int
@@ -70,6 +74,7 @@ class TrinityReport:
     runtime_id: int
     device_name: str
     size_bounds: tuple[tuple[str, int], ...] = ()
+    param_offload: dict | None = None
 
     def runtime_stats(self) -> TransferStats | None:
         """Live counters of this pair's transfer runtime (host pool included), or ``None`` once
@@ -100,6 +105,14 @@ class TrinityReport:
                 f"  note       the budget is met only with {self.exposed_transfer_seconds * 1e3:.3f} ms of copies "
                 f"not hidden under compute ({100 * self.exposed_transfer_seconds / self.compute_seconds:.0f}% of "
                 "compute); a larger budget or a faster host link hides them"
+            )
+        if self.param_offload:
+            po = self.param_offload
+            lines.append(
+                f"  params     offload={po['mode']}: {po['num_params']} parameters, host "
+                f"{format_bytes(po['host_bytes'])}, peak with parameter residency "
+                f"{format_bytes(po['peak_bytes'])} (resident: {format_bytes(po['peak_bytes_resident_params'])}), "
+                f"window up to {po['max_window_steps']} nodes"
             )
         if self.fallback_reason:
             lines.append(f"  fallback   {self.fallback_reason}")

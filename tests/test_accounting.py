@@ -132,3 +132,27 @@ def test_default_device_without_cuda_is_the_cpu():
     m = measure_peak_device_bytes(lambda: torch.empty(MB, dtype=torch.uint8).numel())
     assert m.method == "cpu-allocator-trace"
     assert m.peak_bytes == MB
+
+
+def test_warmup_allocations_count_until_the_measured_call_frees_them():
+    from offload_compiler import measure_peak_device_bytes
+
+    mib = 1 << 20
+    holder = {}
+
+    def warm():
+        holder["x"] = torch.empty(mib, dtype=torch.uint8)
+        # A transient warmup peak is not part of the measurement.
+        torch.empty(8 * mib, dtype=torch.uint8).fill_(1)
+
+    def fn():
+        del holder["x"]  # freed by the measured call: counted until here, then not
+        y = torch.empty(mib // 2, dtype=torch.uint8)
+        return int(y.fill_(1)[0])
+
+    m = measure_peak_device_bytes(fn, device="cpu", warmup=warm)
+    assert mib <= m.peak_bytes < mib + mib // 2, m
+    # Without the warmup, the CPU allocator cannot report the free of a block it did not see.
+    holder["x"] = torch.empty(mib, dtype=torch.uint8)
+    m = measure_peak_device_bytes(fn, device="cpu")
+    assert mib // 2 <= m.peak_bytes < mib, m

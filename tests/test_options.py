@@ -32,6 +32,7 @@ EXPECTED_ALLOWED = sorted(
         "device",
         "calibration",
         "fault_injection",
+        "offload",
         "peak_flops",
         "hbm_bytes_per_s",
         "h2d_bytes_per_s",
@@ -286,6 +287,9 @@ def test_every_option_in_its_allowed_forms_round_trips(tmp_path):
         {"inductor_config": {"max_autotune": True, "debug": False}},
         {"inductor_config": (("debug", False),)},
         {"inductor_config": {}},
+        {"offload": "activations"},
+        {"offload": "activations+params"},
+        {"offload": "all"},
     ]
     for options in cases:
         opts = build(options)
@@ -323,6 +327,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "inductor_config": {"max_autotune": False},
         "calibration": str(calibration),
         "fault_injection": 7,
+        "offload": "all",
     }
     opts = build(options)
     assert opts.to_dict() == {
@@ -344,6 +349,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "inductor_config": {"max_autotune": False},
         "calibration": str(calibration),
         "fault_injection": 7,
+        "offload": "all",
     }
     assert_round_trips(opts)
 
@@ -390,6 +396,9 @@ def test_options_must_be_a_mapping():
         ("on_infeasible", None),
         ("on_host_pool_full", "raise"),
         ("on_host_pool_full", None),
+        ("offload", "params"),
+        ("offload", "All"),
+        ("offload", None),
         ("verify", "yes"),
         ("verify", 1),
         ("verify", None),

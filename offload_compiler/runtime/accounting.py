@@ -71,6 +71,7 @@ def measure_peak_device_bytes(
     *,
     resident: Iterable[torch.Tensor] = (),
     device: torch.device | str | None = None,
+    warmup: Callable[[], Any] | None = None,
 ) -> MemoryMeasurement:
     """Run ``fn()`` once and measure the peak of live device bytes.
 
@@ -81,6 +82,11 @@ def measure_peak_device_bytes(
             already counts them.
         device: ``"cuda"`` (or a CUDA device) to use the CUDA allocator; anything else measures
             the CPU allocator. Defaults to CUDA when available.
+        warmup: on the CPU, run first under the same trace but not measured: the CPU allocator
+            reports the free of a block only if it saw the allocation, so a step that frees
+            memory allocated by an earlier step (parameters released by ``offload=
+            "activations+params"``) is measured right after a warmup step that allocated it.
+            What the warmup leaves allocated counts as resident. Ignored on CUDA.
 
     Returns:
         A :class:`MemoryMeasurement`; ``result`` holds ``fn()``'s return value.
@@ -108,10 +114,18 @@ def measure_peak_device_bytes(
     from torch.profiler import ProfilerActivity, profile
 
     base = resident_bytes(resident)
+    marker = "trinity::measure_start"
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+        if warmup is not None:
+            warmup()
+        with torch.profiler.record_function(marker):
+            pass
         result = fn()
     events = []
+    start_ns = None
     for node in _walk(prof.profiler.kineto_results.experimental_event_tree()):
+        if warmup is not None and node.name == marker:
+            start_ns = node.start_time_ns
         if node.tag == _EventType.Allocation:
             fields = node.extra_fields
             if fields.device.type == "cpu":
@@ -120,14 +134,19 @@ def measure_peak_device_bytes(
     pool_ptrs = {ptr for ptr, _ in live_pool_blocks()}
     live: dict[int, int] = {}
     current = peak = pool_bytes = 0
-    for _, ptr, size in events:
+    measuring = start_ns is None
+    for t_ns, ptr, size in events:
+        if not measuring and t_ns >= start_ns:
+            measuring, peak = True, current
         if size > 0:
             if ptr in pool_ptrs:
-                pool_bytes += size
+                if measuring:
+                    pool_bytes += size
                 continue
             live[ptr] = size
             current += size
-            peak = max(peak, current)
+            if measuring:
+                peak = max(peak, current)
         else:
             # Frees of allocations made before the call are not known here; the memory they held
             # is not in ``resident`` either unless the caller put it there, so ignoring them can
@@ -135,6 +154,8 @@ def measure_peak_device_bytes(
             freed = live.pop(ptr, None)
             if freed is not None:
                 current -= freed
+    if not measuring:
+        peak = current
     return MemoryMeasurement(
         peak_bytes=base + peak,
         resident_bytes=base,

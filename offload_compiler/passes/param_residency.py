@@ -1,0 +1,518 @@
+"""Parameter residency: where each offloaded parameter is fetched to the device and released.
+
+With ``offload="activations+params"`` or ``"all"`` every parameter (an ``nn.Parameter`` among
+the forward's static-lifetime inputs) becomes a plan candidate. For each one, over the joint
+schedule (steps as in :mod:`.liveness`):
+
+* forward: ``param_fetch`` ahead of its first reader (the **working window**, below) and
+  ``param_release`` right after its last forward reader (the forward's output node, which only
+  hands saved views to the backward, is not a reader);
+* backward: ``param_fetch`` ahead of its first backward reader (the saved views of it, e.g. the
+  ``t(weight)`` a linear layer's input gradient needs) and, with ``"all"``, ``param_release``
+  after its last one. With ``"activations+params"`` it stays resident to the end of the step (the
+  user's own optimizer updates it on the device); the forward's release then writes the device
+  value back to the host master first.
+* with ``"all"``, the parameter's gradient goes to host memory (``grad_to_host``) right after the
+  node that produces it (or after the parameter's last backward reader, if that comes later: from
+  then on the CPU optimizer may update the parameter), and the backward returns ``None`` in its
+  place: nothing of it stays on the device.
+
+**Working window.** A fetch is issued ``window_steps`` nodes before the reader, the fewest such
+that the cost model's compute time of those nodes covers the parameter's host-to-device copy
+time (so the copy hides under compute on a GPU). If the predicted peak with those windows is over
+the budget, windows shrink to zero (fetch right before the reader): the pipeline plans the
+activations on :func:`activation_view` with windows first and, if that misses the budget, again
+without. Per-parameter windows, the
+predicted peak and the host bytes are reported in :class:`ResidencyPlan`.
+
+``plan`` is a pure function of liveness, costs and options. ``apply`` mutates the graphs: it
+inserts ``trinity::param_fetch`` / ``param_release`` / ``grad_to_host`` nodes (matched by op
+target elsewhere) and, with ``"all"``, replaces offloaded gradients in the backward's output by
+``None``. It reads ``node.meta["val"]`` only through the liveness analysis and writes
+``node.meta["trinity"]`` (a human-readable description) and ``node.meta["val"] = None`` on the
+nodes it inserts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from ..graph_pair import GraphPair
+from ..runtime.param_ops import GRAD_TO_HOST, PARAM_FETCH, PARAM_RELEASE
+from .cost_model import Costs
+from .liveness import Buffer, BufferKind, Liveness
+
+__all__ = ["ParamResidency", "ResidencyPlan", "plan", "apply", "activation_view", "copy_tasks", "check", "MODES"]
+
+MODES = ("activations+params", "all")
+
+
+@dataclass(frozen=True)
+class ParamResidency:
+    """The schedule of one offloaded parameter (joint-schedule steps; ``None``: no such node).
+
+    Attributes:
+        slot: the :class:`~offload_compiler.runtime.model_state.ParamSlot` id.
+        placeholder: the forward placeholder's name.
+        buffer: the liveness buffer id (the parameter's storage and all its views).
+        nbytes: device bytes of its storage.
+        fw_fetch_before / fw_release_after: forward fetch and release positions.
+        bw_fetch_before / bw_release_after: backward fetch and release positions
+            (``bw_release_after`` is ``None`` with ``"activations+params"``: resident to the end).
+        fw_window_steps / bw_window_steps: how many nodes ahead of the first reader the fetch is.
+        grad_to_host_after: the step after which its gradient goes to host (``"all"``).
+        resident_steps: ``(first, last)`` inclusive intervals where its storage is on the device.
+    """
+
+    slot: int
+    placeholder: str
+    buffer: int
+    nbytes: int
+    fw_fetch_before: int | None
+    fw_release_after: int | None
+    bw_fetch_before: int | None
+    bw_release_after: int | None
+    fw_window_steps: int
+    bw_window_steps: int
+    grad_to_host_after: int | None
+    grad_buffer: int | None
+    resident_steps: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class ResidencyPlan:
+    """Where every offloaded parameter lives over the step.
+
+    Attributes:
+        mode: ``"activations+params"`` or ``"all"``.
+        params: one :class:`ParamResidency` per offloaded parameter.
+        num_steps / num_fw_steps: the joint schedule's length and its forward part.
+        peak_bytes_resident_params: predicted peak with parameters resident throughout (bytes).
+        peak_bytes: predicted peak with this residency (bytes).
+        budget_bytes: the budget the windows were checked against (``None``: no limit).
+        windows_shrunk: whether the windows were cut to zero (to meet the budget).
+        host_bytes: host memory for the parameters' master copies (and host gradients with
+            ``"all"``), bytes.
+        max_window_steps: the largest fetch lead, in nodes.
+        window_seconds: the largest fetch lead, in the cost model's compute seconds.
+    """
+
+    mode: str
+    params: tuple[ParamResidency, ...]
+    num_steps: int
+    num_fw_steps: int
+    peak_bytes_resident_params: int
+    peak_bytes: int
+    budget_bytes: int | None
+    windows_shrunk: bool
+    host_bytes: int
+    max_window_steps: int
+    window_seconds: float
+
+    def resident_param_bytes(self) -> np.ndarray:
+        """Parameter bytes on the device at each step (int64 array of ``num_steps``)."""
+        diff = np.zeros(self.num_steps + 1, dtype=np.int64)
+        for p in self.params:
+            for a, b in p.resident_steps:
+                diff[a] += p.nbytes
+                diff[b + 1] -= p.nbytes
+        return np.cumsum(diff[:-1])
+
+    def to_json(self) -> str:
+        """The plan as JSON, with the per-step resident parameter bytes (for dumps)."""
+        d = asdict(self)
+        d["resident_param_bytes"] = self.resident_param_bytes().tolist()
+        return json.dumps(d, indent=1)
+
+    def summary(self) -> str:
+        mib = 2**20
+        return (
+            f"trinity params ({self.mode}): {len(self.params)} parameters offloaded, host "
+            f"{self.host_bytes / mib:.1f} MiB; predicted peak {self.peak_bytes / mib:.1f} MiB "
+            f"(resident parameters: {self.peak_bytes_resident_params / mib:.1f} MiB); window up to "
+            f"{self.max_window_steps} nodes ({self.window_seconds * 1e3:.3f} ms)"
+            + (" (shrunk to meet the budget)" if self.windows_shrunk else "")
+        )
+
+
+def _lead(first_use: int, floor: int, nbytes: int, costs: Costs) -> int:
+    """Fewest steps before ``first_use`` (not before ``floor``) whose compute covers the copy."""
+    need = costs.transfer_seconds(nbytes, "h2d")
+    s, acc = first_use, 0.0
+    while s > floor and acc < need:
+        s -= 1
+        acc += costs.step_seconds[s]
+    return first_use - s
+
+
+def plan(
+    pair: GraphPair,
+    live: Liveness,
+    costs: Costs,
+    slots: Mapping[int, tuple[int, int]],
+    mode: str,
+    base_live: np.ndarray,
+    budget: int | None,
+    host_grad: bool | None = None,
+    use_windows: bool = True,
+) -> ResidencyPlan:
+    """Plan the residency of the parameters in ``slots``.
+
+    Args:
+        pair: the (unrewritten) graph pair ``live`` and ``costs`` describe.
+        live: its liveness; costs: its cost model.
+        slots: forward placeholder index -> ``(slot id, host bytes of the slot)``, for the
+            parameters to offload. Parameters whose storage is a user output of the forward are
+            left resident.
+        mode: ``"activations+params"`` or ``"all"``.
+        base_live: device bytes per step with parameters resident (after the activation plan).
+        budget: the budget (bytes, ``None``: no limit), recorded in the plan.
+        host_grad: send gradients to host; defaults to ``mode == "all"``.
+        use_windows: fetch ahead by the working window; ``False`` fetches right before the first
+            reader (the caller retries with it when the windows make the budget unreachable).
+
+    Returns:
+        A :class:`ResidencyPlan`.
+
+    Raises:
+        ValueError: for an unknown ``mode``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"param_residency.plan: mode {mode!r}; expected one of {MODES}")
+    host_grad = mode == "all" if host_grad is None else host_grad
+    num_fw, last = live.num_fw_steps, live.num_steps - 1
+    fw_placeholders = list(pair.forward.graph.find_nodes(op="placeholder"))
+    buffer_of_node: dict[str, int] = {}
+    for b in live.buffers:
+        for name in b.nodes:
+            buffer_of_node[name] = b.id
+    fw_out_step = num_fw - 1
+    user_out_buffers = {
+        buffer_of_node.get("forward:" + n.name)
+        for i, n in enumerate(pair.fw_outputs())
+        if i < pair.num_fwd_outputs and isinstance(n, fx.Node)
+    }
+    bw_out = pair.bw_output_node().args[0]
+    bw_out = list(bw_out) if isinstance(bw_out, (tuple, list)) else [bw_out]
+
+    def build(use_windows: bool) -> list[ParamResidency]:
+        out = []
+        for index, (slot_id, _host) in sorted(slots.items()):
+            ph = fw_placeholders[index]
+            bid = buffer_of_node.get("forward:" + ph.name)
+            if bid is None or bid in user_out_buffers:
+                continue
+            buf = live.buffers[bid]
+            if buf.kind is not BufferKind.PARAMETER:
+                continue
+            fw_uses = [s for s in buf.use_steps if s < fw_out_step]
+            bw_uses = [s for s in buf.use_steps if num_fw <= s < last]
+            first_real = next((s for s in range(num_fw) if not live.steps[s].is_placeholder), 0)
+            bw_first_real = next((s for s in range(num_fw, last + 1) if not live.steps[s].is_placeholder), last)
+            intervals = []
+            fw_fetch = fw_release = bw_fetch = bw_release = None
+            fw_w = bw_w = 0
+            if mode == "activations+params" and not bw_uses:
+                # The backward has no handle on it to fetch it back before the step ends (the
+                # user's optimizer needs it there): it stays resident.
+                continue
+            if fw_uses:
+                first, lastu = min(fw_uses), max(fw_uses)
+                fw_w = _lead(first, first_real, buf.size_bytes, costs) if use_windows else 0
+                fw_fetch, fw_release = max(first - fw_w, first_real), lastu
+                start = 0 if mode == "activations+params" else fw_fetch
+                intervals.append((start, fw_release))
+            if bw_uses:
+                first = min(bw_uses)
+                bw_w = _lead(first, bw_first_real, buf.size_bytes, costs) if use_windows else 0
+                bw_fetch = max(first - bw_w, bw_first_real)
+                bw_release = max(bw_uses) if mode == "all" else None
+                intervals.append((bw_fetch, bw_release if bw_release is not None else last))
+            grad_after = grad_buffer = None
+            if host_grad and index < len(bw_out) and isinstance(bw_out[index], fx.Node):
+                g = bw_out[index]
+                gstep = live.step_named("backward", g.name)
+                readers = [live.step_named("backward", u.name) for u in g.users if u.op != "output"]
+                # Not before the parameter's last backward reader either: once its gradient is on
+                # the host, the CPU optimizer may update the master copy (CPUOptimizer with
+                # overlap="backward"), which a later fetch in this backward would read.
+                grad_after = max([gstep, *readers] + ([bw_release] if bw_release is not None else []))
+                grad_buffer = buffer_of_node.get("backward:" + g.name)
+            out.append(
+                ParamResidency(
+                    slot=slot_id,
+                    placeholder=ph.name,
+                    buffer=bid,
+                    nbytes=buf.size_bytes,
+                    fw_fetch_before=fw_fetch,
+                    fw_release_after=fw_release,
+                    bw_fetch_before=bw_fetch,
+                    bw_release_after=bw_release,
+                    fw_window_steps=fw_w,
+                    bw_window_steps=bw_w,
+                    grad_to_host_after=grad_after,
+                    grad_buffer=grad_buffer,
+                    resident_steps=tuple(intervals),
+                )
+            )
+        return out
+
+    def predicted(params: list[ParamResidency]) -> np.ndarray:
+        diff = np.zeros(live.num_steps + 1, dtype=np.int64)
+        for p in params:
+            diff[0] -= p.nbytes  # counted resident throughout in base_live
+            diff[live.num_steps] += p.nbytes
+            for a, b in p.resident_steps:
+                diff[a] += p.nbytes
+                diff[b + 1] -= p.nbytes
+            if p.grad_to_host_after is not None and p.grad_buffer is not None:
+                gb = live.buffers[p.grad_buffer]
+                diff[p.grad_to_host_after + 1] -= gb.size_bytes
+                diff[live.num_steps] += gb.size_bytes
+        return base_live + np.cumsum(diff[:-1])
+
+    params = build(use_windows)
+    peak = int(predicted(params).max()) if live.num_steps else 0
+    shrunk = not use_windows
+    ce = np.concatenate([[0.0], np.cumsum(costs.step_seconds)])
+    window_s = 0.0
+    for p in params:
+        for before, w in ((p.fw_fetch_before, p.fw_window_steps), (p.bw_fetch_before, p.bw_window_steps)):
+            if before is not None and w:
+                window_s = max(window_s, float(ce[before + w] - ce[before]))
+    return ResidencyPlan(
+        mode=mode,
+        params=tuple(params),
+        num_steps=live.num_steps,
+        num_fw_steps=num_fw,
+        peak_bytes_resident_params=int(base_live.max()) if live.num_steps else 0,
+        peak_bytes=peak,
+        budget_bytes=budget,
+        windows_shrunk=shrunk,
+        host_bytes=sum(host for _, host in slots.values()),
+        max_window_steps=max([max(p.fw_window_steps, p.bw_window_steps) for p in params], default=0),
+        window_seconds=window_s,
+    )
+
+
+def apply(
+    pair: GraphPair, the_plan: ResidencyPlan, step_nodes: Sequence[fx.Node], release: bool = True, backward: bool = True
+) -> None:
+    """Insert the fetch, release and gradient nodes of ``the_plan`` into ``pair``.
+
+    Args:
+        pair: the graphs (possibly already rewritten by ``insert_transfers``).
+        the_plan: from :func:`plan` on the same graphs before any rewrite.
+        step_nodes: the node objects of the joint schedule as it was when planned (forward nodes
+            then backward nodes); positions are relative to them, so nodes inserted since (the
+            activation transfers) do not shift anything.
+        release: insert the forward's releases (``False``: fetch only, for a forward-only graph
+            with ``"activations+params"``, whose parameters stay resident between steps).
+        backward: rewrite the backward graph too.
+    """
+    write_back = the_plan.mode == "activations+params"
+    fw_ph = {n.name: n for n in pair.forward.graph.find_nodes(op="placeholder")}
+    num_fw = the_plan.num_fw_steps
+    bw_out_node = pair.bw_output_node()
+    bw_outs = bw_out_node.args[0]
+    bw_outs = list(bw_outs) if isinstance(bw_outs, (tuple, list)) else [bw_outs]
+    fw_index = {n.name: i for i, n in enumerate(pair.forward.graph.find_nodes(op="placeholder"))}
+
+    def insert(graph: fx.Graph, where: fx.Node, before: bool, op, args, note: str) -> fx.Node:
+        ctx = graph.inserting_before(where) if before else graph.inserting_after(where)
+        with ctx:
+            n = graph.call_function(op, args)
+        n.meta["trinity"] = note
+        n.meta["val"] = None  # returns nothing (later analyses, e.g. the dump's simulation, read it)
+        return n
+
+    for p in the_plan.params:
+        ph = fw_ph[p.placeholder]
+        fg = pair.forward.graph
+        mib = p.nbytes / 2**20
+        if p.fw_fetch_before is not None:
+            insert(
+                fg,
+                step_nodes[p.fw_fetch_before],
+                True,
+                PARAM_FETCH,
+                (ph, p.slot),
+                f"fetch parameter {p.placeholder} ({mib:.2f} MiB)",
+            )
+            if release:
+                insert(
+                    fg,
+                    step_nodes[p.fw_release_after],
+                    False,
+                    PARAM_RELEASE,
+                    (ph, p.slot, write_back),
+                    f"release parameter {p.placeholder}",
+                )
+        if not backward:
+            continue
+        if p.bw_fetch_before is not None or p.grad_to_host_after is not None:
+            bg = pair.backward.graph
+            alias = _backward_alias(pair, ph, p.buffer, step_nodes, num_fw)
+            if p.bw_fetch_before is not None and alias is not None:
+                insert(
+                    bg,
+                    step_nodes[p.bw_fetch_before],
+                    True,
+                    PARAM_FETCH,
+                    (alias, p.slot),
+                    f"fetch parameter {p.placeholder} for the backward",
+                )
+                if p.bw_release_after is not None:
+                    insert(
+                        bg,
+                        step_nodes[p.bw_release_after],
+                        False,
+                        PARAM_RELEASE,
+                        (alias, p.slot, False),
+                        f"release parameter {p.placeholder}",
+                    )
+            if p.grad_to_host_after is not None:
+                g = bw_outs[fw_index[p.placeholder]]
+                insert(
+                    bg,
+                    step_nodes[p.grad_to_host_after],
+                    False,
+                    GRAD_TO_HOST,
+                    (g, p.slot),
+                    f"gradient of {p.placeholder} to host",
+                )
+                bw_outs[fw_index[p.placeholder]] = None
+    if backward and any(p.grad_to_host_after is not None for p in the_plan.params):
+        bw_out_node.args = (tuple(bw_outs),)
+    for gm in (pair.forward, pair.backward) if backward else (pair.forward,):
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _backward_alias(pair: GraphPair, fw_placeholder: fx.Node, buffer: int, step_nodes, num_fw: int) -> fx.Node | None:
+    """A backward placeholder that receives a saved view of ``fw_placeholder``'s storage."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    target = StorageWeakRef(fw_placeholder.meta["val"].untyped_storage())
+    for link in pair.saved_links():
+        ph = link.bw_placeholder
+        val = link.fw_node.meta.get("val")
+        if ph is None or val is None:
+            continue
+        if StorageWeakRef(val.untyped_storage()) == target:
+            return ph
+    return None
+
+
+def activation_view(live: Liveness, the_plan: ResidencyPlan) -> Liveness:
+    """``live`` as the activation planner should see it under ``the_plan``: each offloaded
+    parameter's buffer counts only over its resident intervals (one synthetic buffer per
+    interval, ids after the real ones), and a gradient sent to host stops counting after its
+    ``grad_to_host``. Saved-activation buffers keep their ids, so a plan made on the view applies
+    to the real graphs."""
+    buffers = list(live.buffers)
+    extra: list[Buffer] = []
+    next_id = len(buffers)
+    for p in the_plan.params:
+        b = buffers[p.buffer]
+        buffers[p.buffer] = replace(b, on_device=False)
+        for first, last in p.resident_steps:
+            extra.append(
+                replace(
+                    b, id=next_id, def_step=first, last_step=last, use_steps=(), nodes=(), saved=(), source_step=None
+                )
+            )
+            next_id += 1
+        if p.grad_buffer is not None and p.grad_to_host_after is not None:
+            g = buffers[p.grad_buffer]
+            buffers[p.grad_buffer] = replace(g, last_step=max(g.def_step, p.grad_to_host_after))
+    return replace(live, buffers=tuple(buffers + extra))
+
+
+def copy_tasks(the_plan: ResidencyPlan, costs: Costs, first_id: int = 0) -> list:
+    """The simulator's copy tasks of ``the_plan`` (ids from ``first_id``): per parameter fetch,
+    an H2D copy issued at the fetch and waited for at its first reader; per write-back
+    (``"activations+params"``), a D2H copy waited for where the storage is freed; per gradient
+    sent to host, a D2H copy issued after the gradient is made and waited for at the step's end.
+
+    The model is of the design (copies on the copy streams); see the README's limits for the
+    runtime's synchronous parameter copies.
+    """
+    from .simulate import CopyTask
+
+    tasks = []
+    n = the_plan.num_steps
+
+    def add(direction, nbytes, issue, wait):
+        tasks.append(CopyTask(first_id + len(tasks), direction, costs.transfer_seconds(nbytes, direction), issue, wait))
+
+    for p in the_plan.params:
+        if p.fw_fetch_before is not None and the_plan.mode == "all":
+            add("h2d", p.nbytes, p.fw_fetch_before, p.fw_fetch_before + p.fw_window_steps)
+        if p.fw_release_after is not None and the_plan.mode == "activations+params":
+            add("d2h", p.nbytes, p.fw_release_after + 1, p.fw_release_after + 1)
+        if p.bw_fetch_before is not None:
+            add("h2d", p.nbytes, p.bw_fetch_before, min(n, p.bw_fetch_before + p.bw_window_steps))
+        if p.grad_to_host_after is not None:
+            add("d2h", p.nbytes, p.grad_to_host_after + 1, n)
+    return tasks
+
+
+def check(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:
+    """Invariants of a rewritten pair: no node reads an offloaded parameter's storage (any view
+    of it) while it is released, in either graph; every release follows a fetch. Returns the
+    violations (empty when none).
+
+    A parameter is resident at the start of the forward with ``"activations+params"`` and
+    released with ``"all"``; the backward starts with whatever the forward left.
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    errors: list[str] = []
+    by_slot = {p.slot: p for p in the_plan.params}
+    resident = {p.slot: the_plan.mode == "activations+params" for p in the_plan.params}
+    for graph_name, gm in (("forward", pair.forward), ("backward", pair.backward)):
+        storage_slot: dict = {}
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target in (PARAM_FETCH, PARAM_RELEASE):
+                slot = n.args[1]
+                val = n.args[0].meta.get("val")
+                if val is not None:
+                    storage_slot[StorageWeakRef(val.untyped_storage())] = slot
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target is PARAM_FETCH:
+                resident[n.args[1]] = True
+                continue
+            if n.op == "call_function" and n.target is PARAM_RELEASE:
+                if not resident[n.args[1]]:
+                    errors.append(f"{graph_name}: {n.name} releases slot {n.args[1]} that is not resident")
+                resident[n.args[1]] = False
+                continue
+            if n.op in ("placeholder", "output"):
+                continue
+            for m in n.all_input_nodes:
+                val = m.meta.get("val")
+                if not isinstance(val, torch.Tensor):
+                    continue
+                slot = storage_slot.get(StorageWeakRef(val.untyped_storage()))
+                if slot is not None and not resident[slot] and not _metadata_only(n):
+                    errors.append(
+                        f"{graph_name}: {n.name} reads parameter {by_slot[slot].placeholder} (via {m.name}) "
+                        "while it is released"
+                    )
+    return errors
+
+
+def _metadata_only(node: fx.Node) -> bool:
+    """A view op (reads no data): allowed on a released storage."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    info = schema.returns[0].alias_info
+    return info is not None and not info.is_write

@@ -1,0 +1,363 @@
+"""The optimizer step on the CPU for ``offload="all"``: :class:`CPUOptimizer`.
+
+It wraps one of PyTorch's own optimizers (``torch.optim.AdamW``, ``SGD``, ...; their own CPU
+implementations, ``foreach`` or not as the keyword arguments say; no update rule is written here)
+around the parameters' **host master copies**: the inner optimizer's parameters are
+``nn.Parameter`` views of the masters, their ``.grad`` the host gradients the backward wrote, so
+the optimizer state (``exp_avg``, ...) lives in host memory too.
+
+Overlap: ``step()`` splits the parameters into chunks (in the order given, which for a model's
+``parameters()`` is the order the forward uses them), marks every parameter "update pending"
+and hands the chunks to a worker thread, then returns. The next forward's ``param_fetch`` of a
+parameter waits for that parameter's update only, so the first layers' forward runs while the
+last chunks are still being updated. ``state_dict()``, ``load_state_dict()``,
+``clip_grad_norm_()``, :func:`~offload_compiler.runtime.model_state.materialized` and
+``synchronize()`` wait for the worker.
+
+With ``overlap="backward"`` the update of a chunk starts during the backward, as soon as every
+gradient of the chunk is final (after ``accumulation_steps`` backwards since ``zero_grad``): it
+overlaps the backward of the layers still to come. The graph sends a parameter's gradient to the
+host only after the parameter's last backward reader, so no later part of the backward reads a
+parameter being updated. Clipping by total norm needs every gradient first, so it is refused in
+that mode. ``step()`` then starts what is left (chunks with a parameter that got no gradient).
+
+The user's loop stays ``loss.backward(); opt.step(); opt.zero_grad()``; gradient clipping is
+``opt.clip_grad_norm_(max_norm)`` (``torch.nn.utils.clip_grad_norm_`` on the host gradients:
+with ``"all"`` the device parameters' ``.grad`` stays ``None``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .model_state import ParamSlot, slot_of
+
+__all__ = ["CPUOptimizer"]
+
+
+class _Chunk:
+    def __init__(self, indices: list[int], slots: list[ParamSlot], optimizer: torch.optim.Optimizer, groups: list[int]):
+        self.indices = indices  # global parameter indices, in the inner optimizer's order
+        self.slots = slots
+        self.optimizer = optimizer
+        self.groups = groups  # user group index of each inner group
+        self.needs: set[int] = set()  # slot ids whose gradient the chunk's update waits for
+        self.done: set[int] = set()  # of those, the ones final for this step
+        self.enqueued = False  # handed to the worker this step
+
+
+class CPUOptimizer:
+    """A PyTorch optimizer stepping host master copies on a worker thread.
+
+    Args:
+        params: the parameters (an iterable of ``nn.Parameter``) or parameter groups (dicts with
+            ``"params"`` and per-group options), as for any torch optimizer. Every parameter must
+            be offloaded with ``offload="all"`` (compile the model with it first, or run one step)
+            by the time ``step()`` is first called.
+        optimizer_class: a ``torch.optim.Optimizer`` subclass (default ``torch.optim.AdamW``).
+        chunk_bytes: parameters are updated in chunks of about this many bytes (default 16 MiB);
+            smaller chunks let the next forward start earlier.
+        overlap: ``"forward"`` (updates start at ``step()`` and overlap the next forward) or
+            ``"backward"`` (updates start during the last backward of the step; no clipping).
+        accumulation_steps: with ``overlap="backward"``, backwards per optimizer step (gradient
+            accumulation micro-steps).
+        **defaults: the optimizer's options (``lr``, ``betas``, ``weight_decay``, ``foreach``...).
+
+    Raises:
+        ValueError: for an empty parameter list, a closure passed to ``step``, a non-positive
+            ``chunk_bytes`` or ``accumulation_steps``, or an unknown ``overlap``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        chunk_bytes: int = 16 * 2**20,
+        overlap: str = "forward",
+        accumulation_steps: int = 1,
+        **defaults: Any,
+    ):
+        if chunk_bytes <= 0:
+            raise ValueError(f"CPUOptimizer: chunk_bytes must be positive, got {chunk_bytes}")
+        if overlap not in ("forward", "backward"):
+            raise ValueError(f"CPUOptimizer: overlap must be 'forward' or 'backward', got {overlap!r}")
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"CPUOptimizer: accumulation_steps must be a positive int, got {accumulation_steps!r}")
+        self.overlap = overlap
+        self.accumulation_steps = accumulation_steps
+        params = list(params)
+        if not params:
+            raise ValueError("CPUOptimizer: got an empty parameter list")
+        if not isinstance(params[0], dict):
+            params = [{"params": params}]
+        self.optimizer_class = optimizer_class
+        self.defaults = dict(defaults)
+        self.chunk_bytes = int(chunk_bytes)
+        # Every option of the optimizer, its defaults filled in (as torch's own param_groups hold).
+        probe = optimizer_class([torch.nn.Parameter(torch.zeros(1))], **self.defaults)
+        full_defaults = {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+        self.param_groups: list[dict[str, Any]] = []
+        self._params: list[torch.nn.Parameter] = []
+        self._group_of: list[int] = []
+        seen = set()
+        for gi, group in enumerate(params):
+            ps = list(group["params"])
+            for p in ps:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError(f"CPUOptimizer: parameter group {gi} holds {type(p).__name__}, not a tensor")
+                if id(p) in seen:
+                    raise ValueError("CPUOptimizer: a parameter appears twice")
+                seen.add(id(p))
+                self._params.append(p)
+                self._group_of.append(gi)
+            self.param_groups.append({**full_defaults, **{k: v for k, v in group.items() if k != "params"}})
+        self._chunks: list[_Chunk] | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._pending = 0
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------------ setup
+    def _slots(self) -> list[ParamSlot]:
+        slots = []
+        for p in self._params:
+            slot = slot_of(p)
+            if slot is None or slot.keep_resident or (p.requires_grad and slot.grad is None):
+                raise ValueError(
+                    "CPUOptimizer: a parameter is not offloaded with offload='all'; compile the model with "
+                    "torch.compile(model, backend='trinity', options={'offload': 'all', 'inner': 'eager'}) and "
+                    "run a step before opt.step()"
+                )
+            slots.append(slot)
+        return slots
+
+    def _build(self) -> list[_Chunk]:
+        if self._chunks is not None:
+            return self._chunks
+        slots = self._slots()
+        chunks: list[_Chunk] = []
+        current: list[int] = []
+        size = 0
+
+        def close():
+            if not current:
+                return
+            by_group: dict[int, list[int]] = {}
+            for i in current:
+                by_group.setdefault(self._group_of[i], []).append(i)
+            order = [i for g in sorted(by_group) for i in by_group[g]]
+            shadows = {}
+            for i in order:
+                s = slots[i]
+                shadows[i] = torch.nn.Parameter(s.master, requires_grad=self._params[i].requires_grad)
+            inner_groups = [
+                {"params": [shadows[i] for i in by_group[g]], **self.param_groups[g]} for g in sorted(by_group)
+            ]
+            opt = self.optimizer_class(inner_groups)
+            chunk = _Chunk(order, [slots[i] for i in order], opt, sorted(by_group))
+            chunk.shadows = [shadows[i] for i in order]
+            chunk.needs = {slots[i].id for i in order if self._params[i].requires_grad}
+            chunks.append(chunk)
+
+        for i, s in enumerate(slots):
+            current.append(i)
+            size += s.nbytes
+            if size >= self.chunk_bytes:
+                close()
+                current, size = [], 0
+        close()
+        self._chunks = chunks
+        if self.overlap == "backward":
+            self._chunk_of = {s.id: c for c in chunks for s in c.slots}
+            for c in chunks:
+                for s in c.slots:
+                    s.on_grad = self._grad_ready
+        return chunks
+
+    def _grad_ready(self, slot: ParamSlot) -> None:
+        """A gradient reached the host (overlap="backward"): once every gradient of a chunk is
+        final for this step (``accumulation_steps`` micro-steps), start the chunk's update. The
+        graph sends a gradient to the host only after the parameter's last backward reader, so
+        nothing later in this backward reads the value being updated."""
+        if slot.num_grads < self.accumulation_steps:
+            return
+        chunk = self._chunk_of.get(slot.id)
+        if chunk is None or chunk.enqueued:
+            return
+        chunk.done.add(slot.id)
+        if chunk.needs <= chunk.done:
+            self._enqueue([chunk])
+
+    def _enqueue(self, chunks: list[_Chunk]) -> None:
+        for chunk in chunks:
+            for inner_group, g in zip(chunk.optimizer.param_groups, chunk.groups):
+                for k, v in self.param_groups[g].items():
+                    inner_group[k] = v
+            for s, shadow in zip(chunk.slots, chunk.shadows):
+                # The device copy (if any, e.g. after an exception mid-step) never changes
+                # inside a step with offload="all"; the master is the current value.
+                s.release(write_back=False)
+                shadow.grad = s.grad if s.grad_valid else None
+                s.ready.clear()
+            chunk.enqueued = True
+        self._ensure_worker()
+        with self._cv:
+            self._pending += len(chunks)
+        for chunk in chunks:
+            self._queue.put(chunk)
+
+    # ------------------------------------------------------------------ the worker
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._run, name="trinity-cpu-optimizer", daemon=True)
+            self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            chunk = self._queue.get()
+            try:
+                if self._error is None:
+                    chunk.optimizer.step()
+            except BaseException as exc:  # noqa: BLE001  (re-raised on the main thread)
+                self._error = exc
+                for s in chunk.slots:
+                    s.error = exc
+            finally:
+                for s in chunk.slots:
+                    s.ready.set()
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    def synchronize(self) -> None:
+        """Wait until every update handed to the worker is done.
+
+        Raises:
+            RuntimeError: when an update failed (the worker's exception is the cause).
+        """
+        with self._cv:
+            while self._pending:
+                self._cv.wait()
+        if self._error is not None:
+            raise RuntimeError("CPUOptimizer: an update on the worker thread failed") from self._error
+
+    # ------------------------------------------------------------------ the optimizer interface
+    def step(self, closure=None) -> None:
+        """Start the update of every parameter that has a host gradient; returns at once.
+
+        Raises:
+            ValueError: when ``closure`` is given (not supported).
+            RuntimeError: when an earlier update failed.
+        """
+        if closure is not None:
+            raise ValueError("CPUOptimizer.step: closures are not supported")
+        if self.overlap == "forward" or self._chunks is None:
+            self.synchronize()
+        elif self._error is not None:
+            raise RuntimeError("CPUOptimizer: an update on the worker thread failed") from self._error
+        chunks = self._build()
+        # overlap="backward": the chunks whose gradients were complete already started.
+        self._enqueue([c for c in chunks if not c.enqueued])
+        for c in chunks:
+            c.enqueued = False
+            c.done.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the host gradients: the next backward writes them afresh (``set_to_none``) or
+        they are zeroed (``set_to_none=False``, after the pending updates)."""
+        for c in self._chunks or ():
+            c.done.clear()
+        for p in self._params:
+            s = slot_of(p)
+            if s is None or s.grad is None:
+                continue
+            s.num_grads = 0
+            if set_to_none:
+                s.grad_valid = False
+            else:
+                s.wait_ready()
+                s.grad.zero_()
+                s.grad_valid = True
+
+    def host_grads(self) -> list[torch.Tensor | None]:
+        """The host gradients, in parameter order (``None`` where there is none this step)."""
+        out = []
+        for p in self._params:
+            s = slot_of(p)
+            out.append(s.grad if s is not None and s.grad is not None and s.grad_valid else None)
+        return out
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the host gradients, in parameter order (as
+        over ``model.parameters()`` in eager); returns the total norm.
+
+        Raises:
+            ValueError: with ``overlap="backward"`` (updates start before every gradient is known).
+        """
+        if self.overlap == "backward":
+            raise ValueError(
+                "CPUOptimizer.clip_grad_norm_: with overlap='backward' updates start during the backward, before "
+                "the total norm is known; use overlap='forward' to clip"
+            )
+        self.synchronize()
+        shadow_of = {}
+        for chunk in self._build():
+            for i, s, shadow in zip(chunk.indices, chunk.slots, chunk.shadows):
+                shadow.grad = s.grad if s.grad is not None and s.grad_valid else None
+                shadow_of[i] = shadow
+        return torch.nn.utils.clip_grad_norm_(
+            [shadow_of[i] for i in range(len(self._params))], max_norm, norm_type=norm_type, **kwargs
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state in ``torch.optim.Optimizer.state_dict()`` form (parameters numbered in the
+        order given), after pending updates; tensors are the live host state."""
+        self.synchronize()
+        state: dict[int, Any] = {}
+        for chunk in self._build():
+            sd = chunk.optimizer.state_dict()
+            for local, st in sd["state"].items():
+                state[chunk.indices[local]] = st
+        groups = []
+        for g, group in enumerate(self.param_groups):
+            groups.append({**group, "params": [i for i, gi in enumerate(self._group_of) if gi == g]})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` (of an optimizer over the same parameters, in the same order).
+
+        Raises:
+            ValueError: when the number of groups or parameters differs.
+        """
+        self.synchronize()
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or [len(g["params"]) for g in groups] != [
+            self._group_of.count(g) for g in range(len(self.param_groups))
+        ]:
+            raise ValueError("CPUOptimizer.load_state_dict: the parameter groups do not match this optimizer's")
+        position = {}
+        for g, group in enumerate(groups):
+            for k, i in enumerate(group["params"]):
+                position[i] = [j for j, gi in enumerate(self._group_of) if gi == g][k]
+        for g, group in enumerate(groups):
+            self.param_groups[g] = {k: v for k, v in group.items() if k != "params"}
+        for chunk in self._build():
+            local_state = {}
+            for saved_i, st in state_dict["state"].items():
+                glob = position[int(saved_i)]
+                if glob in chunk.indices:
+                    local_state[chunk.indices.index(glob)] = st
+            inner_groups = []
+            start = 0
+            for ig, g in zip(chunk.optimizer.param_groups, chunk.groups):
+                n = len(ig["params"])
+                inner_groups.append({**self.param_groups[g], "params": list(range(start, start + n))})
+                start += n
+            chunk.optimizer.load_state_dict({"state": local_state, "param_groups": inner_groups})

@@ -1,0 +1,271 @@
+"""Model state in host memory: one :class:`ParamSlot` per offloaded parameter.
+
+A slot holds the parameter's **master copy** in host memory (a block of a trinity host pool, so
+the device-memory accounting counts it as host memory; pinned on CUDA) and, with
+``offload="all"``, its **host gradient** accumulator. The parameter object itself is never
+replaced (its identity, ``requires_grad`` and registration in the module stay as they are); only
+its storage is resized: ``untyped_storage().resize_(0)`` frees the device memory and every view
+of the parameter (saved views included) stays valid, pointing at the same storage, which
+:meth:`ParamSlot.fetch` re-allocates and fills from the master copy.
+
+State machine of one slot (``resident`` is "the device storage is allocated and current"):
+
+* ``fetch()``: wait for a pending optimizer update of this parameter; if not resident, allocate
+  the storage and copy master -> device. A no-op when resident.
+* ``release(write_back)``: if resident: with ``write_back`` copy device -> master first (the
+  device copy was the current one, e.g. a user optimizer stepped it), then free the storage.
+* ``add_grad(g)``: copy (first micro-step after ``zero_grad``) or add ``g`` into the host
+  gradient.
+
+The slot is found from the graph through an integer id (:func:`get_slot`, a weak registry), and
+from the parameter through the attribute ``_trinity_slot`` (:func:`slot_of`), so it lives exactly
+as long as the parameter or the compiled code that uses it; there is no module-level state other
+than that registry.
+
+Between steps, with ``offload="all"``, a parameter holds no device storage: read it (an eager
+forward, ``state_dict``, ``load_state_dict``) inside :func:`materialized`, or let
+:func:`install_state_dict_hooks` make ``state_dict``/``load_state_dict`` work on their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from .pool import HostPool
+
+__all__ = ["ParamSlot", "get_slot", "slot_of", "ensure_slot", "materialized", "install_state_dict_hooks", "SLOT_ATTR"]
+
+SLOT_ATTR = "_trinity_slot"
+
+_ids = itertools.count(1)
+_registry: weakref.WeakValueDictionary[int, ParamSlot] = weakref.WeakValueDictionary()
+_registry_lock = threading.Lock()
+
+
+def _flat(storage: torch.UntypedStorage, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over the first ``nbytes`` of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+
+
+class ParamSlot:
+    """Host-side state of one parameter (see the module docstring).
+
+    Args:
+        param: the parameter (any device); its storage must be allocated (its current value is
+            copied into the master).
+        pool: the host pool the master and the host gradient come from.
+        keep_resident: ``True`` for ``offload="activations+params"``: the device copy is the
+            current one at step boundaries (the user's own optimizer steps it).
+
+    Raises:
+        offload_compiler.runtime.pool.HostPoolExhausted: when the pool cannot hold the master.
+    """
+
+    def __init__(self, param: torch.nn.Parameter, pool: HostPool, keep_resident: bool):
+        storage = param.untyped_storage()
+        self.nbytes = storage.nbytes()
+        if self.nbytes == 0 and param.numel() > 0:
+            raise ValueError("trinity: a parameter with no allocated storage cannot get a host master copy")
+        self.device = param.device
+        self.pool = pool
+        self.keep_resident = keep_resident
+        self.param_ref = weakref.ref(param)
+        # The master spans the whole storage (bytes), so views at any offset map 1:1.
+        self._master_bytes = pool.empty_strided((self.nbytes,), (1,), torch.uint8)
+        self._master_bytes.copy_(_flat(storage, self.nbytes, self.device))
+        # The same bytes as a tensor shaped like the parameter (for the optimizer's host copy).
+        self.master = torch.empty(0, dtype=param.dtype).set_(
+            self._master_bytes.untyped_storage(), param.storage_offset(), tuple(param.shape), tuple(param.stride())
+        )
+        self.grad: torch.Tensor | None = None  # host gradient (offload="all"), allocated by enable_host_grad
+        self.grad_valid = False  # False after zero_grad: the next add_grad copies
+        self.num_grads = 0  # gradients accumulated since zero_grad (micro-steps)
+        self.on_grad = None  # called with the slot after each add_grad (CPUOptimizer, overlap="backward")
+        self.resident = True
+        self.ready = threading.Event()  # cleared while an optimizer update of the master is pending
+        self.ready.set()
+        self.error: BaseException | None = None
+        self.num_fetches = 0
+        self.num_releases = 0
+        self.num_write_backs = 0
+        self.lock = threading.Lock()
+        with _registry_lock:
+            self.id = next(_ids)
+            _registry[self.id] = self
+
+    # ------------------------------------------------------------------ host bytes
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes this slot holds (master plus host gradient)."""
+        return self.nbytes + (self.grad.untyped_storage().nbytes() if self.grad is not None else 0)
+
+    def enable_host_grad(self) -> None:
+        """Allocate the host gradient (same shape, stride and dtype as the parameter)."""
+        if self.grad is None:
+            p = self.master
+            self.grad = self.pool.empty_strided(tuple(p.shape), tuple(p.stride()), p.dtype)
+            self.grad_valid = False
+
+    # ------------------------------------------------------------------ transitions
+    def _param(self) -> torch.nn.Parameter:
+        p = self.param_ref()
+        if p is None:
+            raise RuntimeError(f"trinity: the parameter of slot {self.id} no longer exists")
+        return p
+
+    def wait_ready(self) -> None:
+        """Block until no optimizer update of the master is pending; re-raise its error."""
+        self.ready.wait()
+        if self.error is not None:
+            raise RuntimeError(f"trinity: the CPU optimizer failed updating slot {self.id}") from self.error
+
+    def fetch(self) -> None:
+        """Make the device storage hold the current value (see the module docstring)."""
+        self.wait_ready()
+        with self.lock:
+            if self.resident:
+                return
+            storage = self._param().untyped_storage()
+            storage.resize_(self.nbytes)
+            _flat(storage, self.nbytes, self.device).copy_(self._master_bytes)
+            self.resident = True
+            self.num_fetches += 1
+
+    def release(self, write_back: bool) -> None:
+        """Free the device storage; with ``write_back`` copy it into the master first."""
+        with self.lock:
+            if not self.resident:
+                return
+            storage = self._param().untyped_storage()
+            if write_back:
+                self._master_bytes.copy_(_flat(storage, self.nbytes, self.device))
+                self.num_write_backs += 1
+            storage.resize_(0)
+            self.resident = False
+            self.num_releases += 1
+
+    def add_grad(self, g: torch.Tensor) -> None:
+        """Accumulate the device gradient ``g`` (same shape as the parameter) into the host one."""
+        if self.grad is None:
+            raise RuntimeError(f"trinity: slot {self.id} has no host gradient (offload='all' allocates it)")
+        self.wait_ready()
+        if self.grad_valid:
+            self.grad.add_(g.to(self.grad.device))
+            self.num_grads += 1
+        else:
+            self.grad.copy_(g)
+            self.grad_valid = True
+            self.num_grads = 1
+        if self.on_grad is not None:
+            self.on_grad(self)
+
+
+def get_slot(slot_id: int) -> ParamSlot:
+    """The live slot with this id.
+
+    Raises:
+        RuntimeError: when it no longer exists.
+    """
+    slot = _registry.get(slot_id)
+    if slot is None:
+        raise RuntimeError(f"trinity parameter slot {slot_id} no longer exists")
+    return slot
+
+
+def slot_of(param: torch.Tensor) -> ParamSlot | None:
+    """The slot of ``param``, or ``None`` when it is not offloaded."""
+    return getattr(param, SLOT_ATTR, None)
+
+
+def ensure_slot(param: torch.nn.Parameter, pool: HostPool, keep_resident: bool) -> ParamSlot:
+    """The slot of ``param``, created (master copy in ``pool``) if it has none.
+
+    Raises:
+        ValueError: when ``param`` already has a slot with the other residency mode (one model
+            compiled with ``offload="activations+params"`` and ``"all"`` at once).
+    """
+    slot = slot_of(param)
+    if slot is None:
+        slot = ParamSlot(param, pool, keep_resident)
+        setattr(param, SLOT_ATTR, slot)
+    elif slot.keep_resident != keep_resident:
+        raise ValueError(
+            "trinity: this parameter is already offloaded with offload="
+            + ("'activations+params'" if slot.keep_resident else "'all'")
+            + "; compile every graph that uses it with the same offload option"
+        )
+    return slot
+
+
+@contextlib.contextmanager
+def materialized(params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Give offloaded parameters their device values for the duration of the block.
+
+    Inside, ``model.state_dict()``, ``torch.save``, an eager forward and ``load_state_dict`` see
+    and change the real parameters. On exit, parameters offloaded with ``offload="all"`` are
+    copied back into their host master copies (so a ``load_state_dict`` inside takes effect) and
+    their device memory is freed again. Waits for pending CPU-optimizer updates first.
+    Parameters that are not offloaded are left alone.
+    """
+    slots = []
+    seen = set()
+    for p in params:
+        slot = slot_of(p)
+        if slot is not None and slot.id not in seen:
+            seen.add(slot.id)
+            slots.append(slot)
+    for slot in slots:
+        slot.fetch()
+    try:
+        yield
+    finally:
+        for slot in slots:
+            if not slot.keep_resident:
+                slot.release(write_back=True)
+
+
+def install_state_dict_hooks(module: torch.nn.Module) -> list:
+    """Make ``module.state_dict()`` and ``module.load_state_dict()`` work between steps without
+    :func:`materialized`.
+
+    * ``state_dict()``: each offloaded parameter's entry is its host master copy (current: pending
+      CPU-optimizer updates are waited for), a host tensor shaped like the parameter. On a GPU the
+      entry is therefore a CPU tensor; ``torch.save`` and ``load_state_dict`` accept it.
+    * ``load_state_dict()``: offloaded parameters are fetched before the load and, with
+      ``offload="all"``, written back into their master copies and released after it.
+
+    Returns the hook handles (``handle.remove()`` undoes them). Parameters offloaded later (the
+    model compiled after this call) are covered too: the hooks look the slots up at each call.
+    """
+
+    def state_dict_post_hook(mod, state_dict, prefix, local_metadata):
+        for name, p in mod.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+            slot = slot_of(p)
+            if slot is not None and name in state_dict:
+                slot.wait_ready()
+                if not slot.keep_resident or not slot.resident:
+                    state_dict[name] = slot.master.detach()
+
+    def load_pre_hook(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for p in mod.parameters():
+            slot = slot_of(p)
+            if slot is not None:
+                slot.fetch()
+
+    def load_post_hook(mod, incompatible_keys):
+        for p in mod.parameters():
+            slot = slot_of(p)
+            if slot is not None and not slot.keep_resident:
+                slot.release(write_back=True)
+
+    return [
+        module.register_state_dict_post_hook(state_dict_post_hook),
+        module.register_load_state_dict_pre_hook(load_pre_hook),
+        module.register_load_state_dict_post_hook(load_post_hook),
+    ]
