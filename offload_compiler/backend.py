@@ -123,9 +123,15 @@ def trinity(
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
 
+        inner = boxed_nop
+        if faults is not None and opts.num_streams > 1:
+            # Test mode: multi-stream graphs run under the interleaving executor.
+            from .runtime.interleave import interleaved_compiler
+
+            inner = interleaved_compiler(opts.fault_injection)
         backend = aot_autograd(
-            fw_compiler=boxed_nop,
-            bw_compiler=boxed_nop,
+            fw_compiler=inner,
+            bw_compiler=inner,
             partition_fn=partitioner,
             keep_inference_input_mutations=True,
         )

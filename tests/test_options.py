@@ -32,6 +32,7 @@ EXPECTED_ALLOWED = sorted(
         "device",
         "calibration",
         "fault_injection",
+        "num_streams",
         "peak_flops",
         "hbm_bytes_per_s",
         "h2d_bytes_per_s",
@@ -286,6 +287,8 @@ def test_every_option_in_its_allowed_forms_round_trips(tmp_path):
         {"inductor_config": {"max_autotune": True, "debug": False}},
         {"inductor_config": (("debug", False),)},
         {"inductor_config": {}},
+        {"num_streams": 1},
+        {"num_streams": 4},
     ]
     for options in cases:
         opts = build(options)
@@ -323,6 +326,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "inductor_config": {"max_autotune": False},
         "calibration": str(calibration),
         "fault_injection": 7,
+        "num_streams": 3,
     }
     opts = build(options)
     assert opts.to_dict() == {
@@ -344,8 +348,23 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "inductor_config": {"max_autotune": False},
         "calibration": str(calibration),
         "fault_injection": 7,
+        "num_streams": 3,
     }
     assert_round_trips(opts)
+
+
+def test_num_streams_default_forms_and_errors():
+    assert build().num_streams == 2
+    assert build({"num_streams": 1}).num_streams == 1
+    assert build(env={"TRINITY_NUM_STREAMS": "3"}).num_streams == 3
+    assert build({"num_streams": 2}, env={"TRINITY_NUM_STREAMS": "3"}).num_streams == 2
+    for bad in (0, -1, 1.5, 2.0, True, "two", None, "0"):
+        with pytest.raises(ValueError) as info:
+            build({"num_streams": bad})
+        assert "'num_streams'" in str(info.value) and repr(bad) in str(info.value)
+        assert "int >= 1" in str(info.value)
+    with pytest.raises(ValueError, match="TRINITY_NUM_STREAMS"):
+        build(env={"TRINITY_NUM_STREAMS": "x"})
 
 
 def test_options_are_frozen():
