@@ -9,7 +9,7 @@ not shorter than on one stream by more than that overhead, the plan keeps every 
 :func:`apply` materialises a plan.
 
 Eligible for a side stream: a ``call_function`` of an ATen ``OpOverload`` that mutates nothing,
-returns one fresh tensor (not a view), and is not a trinity op. Everything else (views, tuple
+returns one fresh tensor (not a view) that no ``trinity::evict`` copies, and is not a trinity op. Everything else (views, tuple
 results, mutations, the copies and their waits, placeholders, the output) stays on stream 0; the
 copies themselves keep running on the runtime's copy streams, issued from stream 0.
 
@@ -23,11 +23,14 @@ Streams and events (the rules the verifier's happens-before check also enforces)
   caller's earlier work, and may reuse memory the caller freed).
 * **free (keep-alive)**: a buffer is allocated on the stream that produced it (the caching
   allocator's stream) and is freed at its last use in program order; every read on another
-  stream must happen before the allocating stream's work after that point. Where it is not
-  already implied, a ``wait_event`` on the allocating stream is inserted right after the last
-  use, taking the buffer as ``keep``: FX keeps the tensor alive up to that wait, so the free is
-  ordered after the other stream's read (no ``record_stream``). Because the wait directly
-  follows the last use and allocates nothing, the program-order peak stays the same.
+  stream must happen before the allocating stream's next node after that point. Where it is not
+  already implied when that next node comes, a ``wait_event`` on the allocating stream is
+  inserted right after the last use (the stream ran nothing in between); if the last use was on
+  another stream, the wait takes the buffer as ``keep``: FX keeps the tensor alive up to that
+  wait, so the free is ordered after the other stream's read (no ``record_stream``). Because the
+  wait directly follows the last use and allocates nothing, the program-order peak stays the
+  same. A side stream with no later node needs no wait (its next work, in a later graph, starts
+  after that graph's entry wait on stream 0, which follows this graph's exit).
 * **exit**: before the output, stream 0 waits for every side stream's last node.
 
 Event cost (:data:`EVENT_OVERHEAD_S`): a cross-stream dependency costs one
@@ -175,7 +178,12 @@ class GraphAccess:
         return GraphAccess(nodes, frozenset(views), reads, writes, allocator, holder, last_use, frozenset(escapes))
 
 
-def _eligible(node: fx.Node, access: GraphAccess) -> bool:
+def _evicted(access: GraphAccess) -> set:
+    """Storages some ``trinity::evict`` copies (the plan frees them at their ``evict_wait``)."""
+    return {k for n in access.nodes if n.op == "call_function" and n.target is EVICT for k in access.reads[n]}
+
+
+def _eligible(node: fx.Node, access: GraphAccess, evicted: frozenset = frozenset()) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
@@ -183,7 +191,9 @@ def _eligible(node: fx.Node, access: GraphAccess) -> bool:
         return False
     if target._schema.is_mutable or not isinstance(node.meta.get("val"), torch.Tensor):
         return False
-    return bool(access.writes.get(node))
+    writes = access.writes.get(node)
+    # A buffer the plan evicts stays on stream 0, where its copy and its free are issued.
+    return bool(writes) and not (writes & evicted)
 
 
 def graph_seconds(gm: fx.GraphModule, spec, pinned: bool = True) -> tuple[dict, dict]:
@@ -395,7 +405,11 @@ class _Walk:
                 continue
             p = self._at(C, q)
             ev = self._event_after(p)
-            held = tuple(dict.fromkeys(self.a.holder[k].name for k in keys if k in self.a.holder))
+            # The buffers stay alive to the wait only where their last reader ran elsewhere; if
+            # B itself read them last, the free is already in B's order (and an evicted buffer
+            # must not outlive its evict_wait).
+            cross = P not in self.a.views and self.stream.get(P, 0) != B
+            held = tuple(dict.fromkeys(self.a.holder[k].name for k in keys if k in self.a.holder)) if cross else ()
             self.waits.append(EventWait(ev, B, P.name, "after", held))
             self._merge(B, p)
         for A, q in sorted(self._needs(n, B, final=final).items()):
@@ -485,7 +499,8 @@ def plan(
     best_time = single_time
     if num_streams > 1:
         multi = _Walk(access, seconds, copies, num_streams, event_seconds)
-        eligible = {n for n in access.nodes if _eligible(n, access)}
+        evicted = frozenset(_evicted(access))
+        eligible = {n for n in access.nodes if _eligible(n, access, evicted)}
         multi_time = multi.run(lambda n: list(range(num_streams)) if n in eligible else [0])
         if multi.records and multi_time + event_seconds < single_time:
             best, best_time = multi, multi_time

@@ -13,7 +13,8 @@ really interleaving its streams in a random order that CUDA could produce:
 * a buffer freed in program order (its last use, ``keep`` arguments included) is poisoned the
   same way as soon as its allocating stream runs a later node (the caching allocator may hand
   that memory to it): a reader on another stream that is not ordered before the free reads NaN;
-* views run on the stream of what they view (they launch nothing); ``set_stream`` is skipped;
+* views launch nothing: a view is taken from its base whenever a node reads it (so it sees the
+  base's data as it is at that moment); ``set_stream`` is skipped;
 * the output is read on stream 0 when stream 0 reaches it: a side stream not joined by then
   leaves NaN in the results;
 * the copies (``trinity::evict`` / ``prefetch``) run through the transfer runtime as they are:
@@ -135,7 +136,9 @@ def run_interleaved(gm: fx.GraphModule, args: list, seed: int) -> Any:
         for fp, k in freed.get(s, []):
             if fp < p:
                 holder = access.holder.get(k)
-                value = env.get(holder) if holder is not None else None
+                value = env.get(holder) if holder is not None and holder not in access.views else None
+                if value is None and holder is not None and holder in access.views:
+                    value = lookup(holder)
                 if isinstance(value, torch.Tensor):
                     poison_(value)
             else:
@@ -143,6 +146,8 @@ def run_interleaved(gm: fx.GraphModule, args: list, seed: int) -> Any:
         freed[s] = rest
 
     def lookup(m: fx.Node) -> Any:
+        if m in access.views:
+            return m.target(*fx.node.map_arg(m.args, lookup), **fx.node.map_arg(m.kwargs, lookup))
         if m in env:
             return env[m]
         return _unwritten(m.meta.get("val"))
@@ -166,7 +171,8 @@ def run_interleaved(gm: fx.GraphModule, args: list, seed: int) -> Any:
         act = rng.choice(actions)
         if act == "host":
             n = issue.popleft()
-            queues.setdefault(stream[n], deque()).append(n)
+            if n not in access.views:
+                queues.setdefault(stream[n], deque()).append(n)
             for k in frees_at.get(pos[n], ()):
                 freed.setdefault(alloc_stream.get(k, 0), []).append((pos[n], k))
             continue
