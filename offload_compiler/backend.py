@@ -56,6 +56,30 @@ def _no_caches():
         yield
 
 
+def _stream_safe(compiler: Callable, runtime: TransferRuntime) -> Callable:
+    """``compiler`` whose multi-stream graphs switch back to the caller's stream when they raise
+    (a graph that stops between ``set_stream(1)`` and ``set_stream(0)`` would leave it current)."""
+
+    def compile_graph(gm: fx.GraphModule, example_inputs):
+        from .passes.happens_before import has_streams
+
+        run = compiler(gm, example_inputs)
+        if not has_streams(gm):
+            return run
+
+        def guarded(args):
+            try:
+                return run(args)
+            except BaseException:
+                runtime.compute_streams.restore()
+                raise
+
+        guarded._boxed_call = True
+        return guarded
+
+    return compile_graph
+
+
 def trinity(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -129,6 +153,8 @@ def trinity(
             from .runtime.interleave import interleaved_compiler
 
             inner = interleaved_compiler(opts.fault_injection)
+        elif opts.num_streams > 1:
+            inner = _stream_safe(boxed_nop, runtime)
         backend = aot_autograd(
             fw_compiler=inner,
             bw_compiler=inner,

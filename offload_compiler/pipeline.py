@@ -166,10 +166,12 @@ class CompileSession:
             warnings.warn(_INDUCTOR_STREAMS_WARNING, stacklevel=3)
             return {}
         plans = {}
+        offset = 0  # the two graphs share the runtime's events: disjoint ids
         for name, gm in (("forward", pair.forward), ("backward", pair.backward)):
             secs, copies = assign_streams.graph_seconds(gm, costs.device, costs.pinned)
             plans[name] = assign_streams.plan(gm, opts.num_streams, secs, copies)
-            assign_streams.apply(gm, plans[name], self.runtime.id)
+            assign_streams.apply(gm, plans[name], self.runtime.id, event_offset=offset)
+            offset += plans[name].num_events
         if any(p.records for p in plans.values()):
             peak = liveness.analyze(pair, assume_fusion=False).peak_bytes
             if peak > planned_peak:

@@ -139,8 +139,14 @@ def test_invalid_num_streams_and_double_application_are_rejected():
 
 
 def test_predicted_time_equals_the_simulation_of_the_rewritten_graph():
-    for fn in (diamond, chain):
-        gm, plan = scheduled(fn, num_streams=3)
+    graphs = [scheduled(fn, num_streams=3) for fn in (diamond, chain)]
+    bw = mlp_pair(batch=64, width=64, depth=3).backward
+    secs, copies = A.graph_seconds(bw, ROUND)
+    plan = A.plan(bw, 3, secs, copies)
+    A.apply(bw, plan, RT)
+    assert plan.num_events > 0 and any(w.keep for w in plan.waits)
+    graphs.append((bw, plan))
+    for gm, plan in graphs:
         secs, copies = A.graph_seconds(gm, ROUND)
         sim = simulate_program(A.program_steps(gm, secs, copies), A.EVENT_OVERHEAD_S)
         assert sim.step_seconds == pytest.approx(plan.seconds, rel=1e-12)

@@ -526,9 +526,10 @@ def _insert(graph: fx.Graph, where: str, anchor: fx.Node, target, args, note: st
     return node
 
 
-def apply(gm: fx.GraphModule, the_plan: StreamPlan, runtime_id: int) -> dict[str, int]:
+def apply(gm: fx.GraphModule, the_plan: StreamPlan, runtime_id: int, event_offset: int = 0) -> dict[str, int]:
     """Annotate every node of ``gm`` with its stream and insert the plan's ``record_event`` /
-    ``wait_event`` nodes and the ``set_stream`` switches; recompiles ``gm``.
+    ``wait_event`` nodes and the ``set_stream`` switches; recompiles ``gm``. Event ids in the
+    graph are the plan's plus ``event_offset`` (graphs sharing one runtime use disjoint ids).
 
     Returns:
         Counts of inserted nodes (``{"record_event": n, "wait_event": n, "set_stream": n}``).
@@ -560,16 +561,16 @@ def apply(gm: fx.GraphModule, the_plan: StreamPlan, runtime_id: int) -> dict[str
             p = last_ph
         after = [p] if (p.op != "placeholder" and isinstance(p.meta.get("val"), torch.Tensor)) else []
         node = _insert(
-            graph, "after", anchor, RECORD_EVENT, (after, runtime_id, rec.event, rec.stream),
-            f"event {rec.event} recorded on stream {rec.stream}", rec.stream,
+            graph, "after", anchor, RECORD_EVENT, (after, runtime_id, rec.event + event_offset, rec.stream),
+            f"event {rec.event + event_offset} recorded on stream {rec.stream}", rec.stream,
         )  # fmt: skip
         cursor_after[p] = node
         counts["record_event"] += 1
     for w in the_plan.waits:
         n = by_name[w.anchor]
         keep = [by_name[k] for k in w.keep]
-        args = (keep, runtime_id, w.event, w.stream)
-        note = f"stream {w.stream} waits for event {w.event}" + (
+        args = (keep, runtime_id, w.event + event_offset, w.stream)
+        note = f"stream {w.stream} waits for event {w.event + event_offset}" + (
             f"; keeps {', '.join(w.keep)} alive until here" if w.keep else ""
         )
         if w.where == "after":

@@ -93,11 +93,20 @@ class ComputeStreams:
         self._local = threading.local()
 
     def _main(self) -> Any:
-        main = getattr(self._local, "main", None)
-        if main is None:
-            main = torch.cuda.current_stream(self.device)
-            self._local.main = main
-        return main
+        # Stream 0 is the current stream unless a side stream is current (between a switch to
+        # it and the switch back): then it is the stream that was current before that switch.
+        current = torch.cuda.current_stream(self.device)
+        if all(current != s for s in self._side.values()):
+            self._local.main = current
+            return current
+        return self._local.main
+
+    def restore(self) -> None:
+        """Make stream 0 current again if a side stream is (after an exception mid-graph)."""
+        if self.enabled and any(torch.cuda.current_stream(self.device) == s for s in self._side.values()):
+            main = getattr(self._local, "main", None)
+            if main is not None:
+                torch.cuda.set_stream(main)
 
     def stream(self, index: int) -> Any:
         """The stream with this index (``None`` without streams).
@@ -116,13 +125,11 @@ class ComputeStreams:
         return self._side[index]
 
     def set_stream(self, index: int) -> None:
-        """Make stream ``index`` current. Switching to a side stream first remembers the current
-        stream as stream 0 (if it is not a side stream itself); switching to 0 restores it."""
+        """Make stream ``index`` current. While no side stream is current, the current stream is
+        stream 0 (remembered per thread); switching to 0 restores it."""
         if not self.enabled:
             return
-        current = torch.cuda.current_stream(self.device)
-        if index != 0 and all(current != s for s in self._side.values()):
-            self._local.main = current
+        self._main()  # remembers the caller's stream while it is current
         torch.cuda.set_stream(self.stream(index))
 
     def record(self, event: int, index: int) -> None:
