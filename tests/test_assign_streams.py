@@ -337,3 +337,31 @@ def test_rewritten_graph_runs_as_plain_fx_code_on_the_cpu():
     args = inputs(seed=5)
     assert torch.equal(gm(*args), diamond(*args))
     assert "trinity.set_stream" in gm.code and "trinity.wait_event" in gm.code
+
+
+def test_the_pipeline_step_gives_forward_and_backward_disjoint_event_ids():
+    import re
+
+    from offload_compiler.options import TrinityOptions
+    from offload_compiler.passes import cost_model, liveness
+    from offload_compiler.pipeline import CompileSession
+    from offload_compiler.runtime.transfer import TransferRuntime
+
+    from .graphs import capture_pair
+
+    ws = [torch.randn(64, 64, requires_grad=True) for _ in range(3)]
+    pair = capture_pair(lambda w1, w2, w3, x: diamond(x, w1, w2, w3).sum(), *ws, torch.randn(64, 64), static=(0, 1, 2))
+    live = liveness.analyze(pair)
+    costs = cost_model.estimate(pair, live, ROUND)
+    opts = TrinityOptions.from_user({"inner": "eager", "num_streams": 2}, env={})
+    session = CompileSession(opts, torch.device("cpu"), TransferRuntime(torch.device("cpu"), 1 << 20))
+    plans = session._assign_streams(pair, costs, live.peak_bytes)
+    assert plans["forward"].num_events == 2 and plans["backward"].num_events > 0
+    ids = {}
+    for name, gm in (("forward", pair.forward), ("backward", pair.backward)):
+        ids[name] = {int(m) for m in re.findall(r"record_event\.default\(\[[^\]]*\], \d+, (\d+),", gm.code)}
+        assert check_streams(gm, name) == []
+    assert ids["forward"] == {0, 1}
+    assert ids["backward"] == set(range(2, 2 + plans["backward"].num_events))
+    # The peak is what it was: the waits allocate nothing and follow the last uses directly.
+    assert liveness.analyze(pair).peak_bytes == live.peak_bytes
