@@ -47,7 +47,6 @@ node, and ``node.meta["val"] = None`` / ``node.meta["trinity"]`` on the nodes it
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -632,6 +631,3 @@ def program_steps(gm: fx.GraphModule, seconds: dict, copies: dict, key_prefix: o
         else:
             steps.append(ProgramStep("compute", s, seconds.get(n, 0.0)))
     return steps
-
-
-_ = operator  # getitem nodes are recognised as views by their storages, not by target
