@@ -56,6 +56,30 @@ def _no_caches():
         yield
 
 
+def _stream_safe(compiler: Callable, runtime: TransferRuntime) -> Callable:
+    """``compiler`` whose multi-stream graphs switch back to the caller's stream when they raise
+    (a graph that stops between ``set_stream(1)`` and ``set_stream(0)`` would leave it current)."""
+
+    def compile_graph(gm: fx.GraphModule, example_inputs):
+        from .passes.happens_before import has_streams
+
+        run = compiler(gm, example_inputs)
+        if not has_streams(gm):
+            return run
+
+        def guarded(args):
+            try:
+                return run(args)
+            except BaseException:
+                runtime.compute_streams.restore()
+                raise
+
+        guarded._boxed_call = True
+        return guarded
+
+    return compile_graph
+
+
 def trinity(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -144,9 +168,17 @@ def trinity(
                 return boxed_nop(gm, inputs)
 
             extra["inference_compiler"] = inference_compiler
+        inner = boxed_nop
+        if faults is not None and opts.num_streams > 1:
+            # Test mode: multi-stream graphs run under the interleaving executor.
+            from .runtime.interleave import interleaved_compiler
+
+            inner = interleaved_compiler(opts.fault_injection)
+        elif opts.num_streams > 1:
+            inner = _stream_safe(boxed_nop, runtime)
         backend = aot_autograd(
-            fw_compiler=boxed_nop,
-            bw_compiler=boxed_nop,
+            fw_compiler=inner,
+            bw_compiler=inner,
             partition_fn=partitioner,
             keep_inference_input_mutations=True,
             **extra,

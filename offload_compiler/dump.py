@@ -13,7 +13,11 @@ Layout of ``<dump_dir>/graph_<id>/``::
     timeline.json                the simulated schedule as a Chrome trace (Perfetto, chrome://tracing)
 
 Each graph is ``GraphModule.print_readable`` with shapes, strides and devices; nodes trinity
-inserted or changed carry a ``# trinity: ...`` comment above them.
+inserted or changed carry a ``# trinity: ...`` comment above them, and with multi-stream compute
+every node carries its stream (``# trinity_stream: 1``; 0 is the caller's stream).
+
+    20_assign_streams.forward.py   after assign_streams (num_streams > 1): streams and events
+    streams.json                 the stream plans (assignment, events, simulated times)
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ def readable(gm: fx.GraphModule) -> str:
     """``print_readable`` text with trinity's ``node.meta["trinity"]`` notes as comments."""
     try:
         return gm.print_readable(
-            print_output=False, include_stride=True, include_device=True, additional_meta=["trinity"]
+            print_output=False, include_stride=True, include_device=True, additional_meta=["trinity", "trinity_stream"]
         )
     except TypeError:  # torch without additional_meta
         text = gm.print_readable(print_output=False, include_stride=True, include_device=True)
         notes = [f"#   {n.name}: {n.meta['trinity']}" for n in gm.graph.nodes if "trinity" in n.meta]
+        notes += [
+            f"#   {n.name}: stream {n.meta['trinity_stream']}" for n in gm.graph.nodes if "trinity_stream" in n.meta
+        ]
         return text + ("\n# trinity notes:\n" + "\n".join(notes) + "\n" if notes else "")
 
 

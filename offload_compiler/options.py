@@ -209,7 +209,13 @@ class TrinityOptions:
         inductor_config: extra ``torch._inductor.config`` patches for ``inner="inductor"``.
         fault_injection: a seed turns on the runtime's fault injection (for tests, on a CPU:
             copies deferred to their waits, fresh buffers poisoned with NaN, pool blocks handed
-            out in random order; see ``offload_compiler.runtime.transfer.FaultInjection``).
+            out in random order; see ``offload_compiler.runtime.transfer.FaultInjection``). With
+            ``num_streams > 1`` and ``inner="eager"`` the multi-stream graphs also run under the
+            interleaving executor (``offload_compiler.runtime.interleave``).
+        num_streams: compute streams per device (int >= 1, default 2). 1 turns the
+            ``assign_streams`` pass off; with more, independent nodes may run on side streams
+            where the cost model says that shortens the step. Only with ``inner="eager"``:
+            with Inductor the pass is switched off with a one-time warning (see README).
         offload: what lives in host memory: ``"activations"`` (saved activations the plan
             evicts; the default), ``"activations+params"`` (also parameters, fetched to the device
             around their uses inside the step and resident between steps) or ``"all"`` (also
@@ -237,6 +243,7 @@ class TrinityOptions:
     inductor_config: tuple[tuple[str, Any], ...] = ()
     fault_injection: int | None = None
     offload: Literal["activations", "activations+params", "all"] = "activations"
+    num_streams: int = 2
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -414,6 +421,11 @@ def _validate(name: str, value: Any, where: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise bad("None or a non-negative int seed")
         return value
+    if name == "num_streams":
+        number = int(value) if isinstance(value, str) and value.strip().isdigit() else value
+        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+            raise bad("an int >= 1 (1 turns multi-stream compute off)")
+        return number
     if name == "inductor_config":
         if isinstance(value, tuple) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):
             value = dict(value)

@@ -9,7 +9,8 @@ min-cut partitioner (the one Inductor and ``aot_eager`` use), then the passes, i
 2. ``cost_model``    seconds per node and per transfer (analysis)
 3. ``plan_window``   which saved activations to evict and where the copies go (pure function)
 4. ``insert_transfers``  the ``trinity::*`` nodes (mutates the graphs)
-5. ``verify``        invariants and the re-measured peak (when ``verify`` is on)
+5. ``assign_streams``  side streams and events (``num_streams > 1``, ``inner="eager"``)
+6. ``verify``        invariants, happens-before and the re-measured peak (when ``verify`` is on)
 
 Each pass is timed; with ``dump_dir`` the graphs are written before and after the rewrite.
 """
@@ -31,7 +32,17 @@ from .devices import DeviceSpec, detect_device_spec
 from .dump import GraphDumper
 from .graph_pair import GraphPair, fill_tuple_vals
 from .options import MemoryBudget, TrinityOptions
-from .passes import cost_model, insert_transfers, liveness, plan_window, reorder, simulate, size_guard, verify
+from .passes import (
+    assign_streams,
+    cost_model,
+    insert_transfers,
+    liveness,
+    plan_window,
+    reorder,
+    simulate,
+    size_guard,
+    verify,
+)
 from .report import TrinityReport, next_graph_id, record_report
 from .runtime.transfer import TransferRuntime
 
@@ -177,6 +188,40 @@ class CompileSession:
         self.param_slots: dict = {}
         self.residency_plans: list = []
 
+    def _assign_streams(
+        self, pair: GraphPair, costs: cost_model.Costs, planned_peak: int
+    ) -> dict[str, assign_streams.StreamPlan]:
+        """Run ``assign_streams`` on both graphs (``inner="eager"`` only); undo it if it would
+        raise the planned peak. Returns the plans that were applied (by graph name)."""
+        opts = self.options
+        if opts.inner != "eager":
+            warnings.warn(_INDUCTOR_STREAMS_WARNING, stacklevel=3)
+            return {}
+        plans = {}
+        offset = 0  # the two graphs share the runtime's events: disjoint ids
+        for name, gm in (("forward", pair.forward), ("backward", pair.backward)):
+            secs, copies = assign_streams.graph_seconds(gm, costs.device, costs.pinned)
+            plans[name] = assign_streams.plan(gm, opts.num_streams, secs, copies)
+            assign_streams.apply(gm, plans[name], self.runtime.id, event_offset=offset)
+            offset += plans[name].num_events
+        if any(p.records for p in plans.values()):
+            peak = liveness.analyze(pair, assume_fusion=False).peak_bytes
+            if peak > planned_peak:
+                log.info(
+                    "assign_streams: keep-alive would raise the peak to %d bytes (planned %d); one stream",
+                    peak,
+                    planned_peak,
+                )
+                for gm in (pair.forward, pair.backward):
+                    assign_streams.remove(gm)
+                return {}
+        for name, p in plans.items():
+            log.info(
+                "assign_streams %s: %d streams used, %d events, simulated %.3g s (one stream %.3g s)",
+                name, p.used_streams, p.num_events, p.seconds, p.single_stream_seconds,
+            )  # fmt: skip
+        return plans
+
     def run(
         self, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, static_input_indices
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -221,6 +266,17 @@ class CompileSession:
         if the_plan.evictions:
             insert_transfers.apply(pair, live, the_plan, self.runtime.id, fence_readers=opts.inner == "inductor")
         seconds["insert_transfers"] = time.perf_counter() - t0
+        if opts.num_streams > 1 and model_state:
+            # Not combined yet: a side stream's read of a parameter is not ordered before the
+            # parameter's release (README, "Limits today").
+            log.info("assign_streams: off with offload=%r (parameter residency)", opts.offload)
+        elif opts.num_streams > 1:
+            t0 = time.perf_counter()
+            stream_plans = self._assign_streams(pair, costs, the_plan.peak_bytes_planned)
+            seconds["assign_streams"] = time.perf_counter() - t0
+            if dumper and stream_plans:
+                dumper.graphs("20_assign_streams", forward, backward)
+                dumper.json("streams.json", {k: asdict(v) for k, v in stream_plans.items()})
         planned_peak = the_plan.peak_bytes_planned
         # Before the parameter rewrite the graphs hold every parameter throughout: that is what
         # the verifier re-measures (the budget applies to the peak with parameter residency).
@@ -313,6 +369,15 @@ class CompileSession:
         self.reports.append(report)
         log.info("%s", report.summary())
         return forward, backward
+
+
+_INDUCTOR_STREAMS_WARNING = (
+    "trinity: num_streams > 1 is ignored with inner='inductor' (multi-stream compute is off). "
+    "Inductor (torch 2.13) places nodes on streams only from node.meta['custom']['stream'] indices into "
+    "Dynamo's registry of user stream objects, with torch.ops.streams events; a backend pass cannot "
+    "register new streams there, and torch 2.11 has no such support. Use inner='eager' for "
+    "multi-stream compute, or num_streams=1 to silence this warning."
+)
 
 
 class TrinityPartitioner(CustomPartitionerFn):

@@ -33,6 +33,7 @@ EXPECTED_ALLOWED = sorted(
         "calibration",
         "fault_injection",
         "offload",
+        "num_streams",
         "peak_flops",
         "hbm_bytes_per_s",
         "h2d_bytes_per_s",
@@ -290,6 +291,8 @@ def test_every_option_in_its_allowed_forms_round_trips(tmp_path):
         {"offload": "activations"},
         {"offload": "activations+params"},
         {"offload": "all"},
+        {"num_streams": 1},
+        {"num_streams": 4},
     ]
     for options in cases:
         opts = build(options)
@@ -328,6 +331,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "calibration": str(calibration),
         "fault_injection": 7,
         "offload": "all",
+        "num_streams": 3,
     }
     opts = build(options)
     assert opts.to_dict() == {
@@ -350,8 +354,23 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "calibration": str(calibration),
         "fault_injection": 7,
         "offload": "all",
+        "num_streams": 3,
     }
     assert_round_trips(opts)
+
+
+def test_num_streams_default_forms_and_errors():
+    assert build().num_streams == 2
+    assert build({"num_streams": 1}).num_streams == 1
+    assert build(env={"TRINITY_NUM_STREAMS": "3"}).num_streams == 3
+    assert build({"num_streams": 2}, env={"TRINITY_NUM_STREAMS": "3"}).num_streams == 2
+    for bad in (0, -1, 1.5, 2.0, True, "two", None, "0"):
+        with pytest.raises(ValueError) as info:
+            build({"num_streams": bad})
+        assert "'num_streams'" in str(info.value) and repr(bad) in str(info.value)
+        assert "int >= 1" in str(info.value)
+    with pytest.raises(ValueError, match="TRINITY_NUM_STREAMS"):
+        build(env={"TRINITY_NUM_STREAMS": "x"})
 
 
 def test_options_are_frozen():

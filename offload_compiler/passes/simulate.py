@@ -16,7 +16,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["CopyTask", "CopyTiming", "Timeline", "simulate", "PairTimeline", "simulate_pair"]
+__all__ = [
+    "CopyTask",
+    "CopyTiming",
+    "Timeline",
+    "simulate",
+    "PairTimeline",
+    "simulate_pair",
+    "ProgramStep",
+    "ProgramTimeline",
+    "simulate_program",
+]
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,106 @@ def simulate(step_seconds: Sequence[float], copies: Sequence[CopyTask]) -> Timel
 
 
 # ------------------------------------------------------------------------------------------
+# Several compute streams: a program of steps in issue order.
+
+
+@dataclass(frozen=True)
+class ProgramStep:
+    """One step of a multi-stream program, in host issue order.
+
+    ``kind``:
+      * ``"compute"``: a kernel of ``seconds`` on ``stream``; starts when ``stream`` is free.
+      * ``"record"``: event ``key`` captures ``stream``'s work issued so far.
+      * ``"wait"``: ``stream`` waits for event ``key``'s latest record (plus the event latency);
+        a wait on an event never recorded does nothing (as in CUDA).
+      * ``"copy"``: copy ``key`` of ``seconds`` on the ``direction`` channel, ordered after
+        ``stream``'s work so far (the runtime's ``wait_stream``).
+      * ``"copy_wait"``: ``stream`` waits for copy ``key``; the stall is exposed copy time.
+    """
+
+    kind: Literal["compute", "record", "wait", "copy", "copy_wait"]
+    stream: int = 0
+    seconds: float = 0.0
+    key: object = None
+    direction: str = "d2h"
+
+
+@dataclass(frozen=True)
+class ProgramTimeline:
+    """Result of :func:`simulate_program` (seconds).
+
+    Attributes:
+        step_seconds: when the last stream finishes (the step time).
+        start: start time of every program step (for records and waits: when they take effect).
+        end: end time of every program step.
+        exposed_seconds: total stall of streams on copies.
+        copies: per copy key, ``(issue, start, end, stall)``.
+    """
+
+    step_seconds: float
+    start: tuple[float, ...]
+    end: tuple[float, ...]
+    exposed_seconds: float
+    copies: tuple[tuple[object, float, float, float, float], ...]
+
+
+def simulate_program(steps: Sequence[ProgramStep], event_seconds: float = 0.0) -> ProgramTimeline:
+    """Simulate ``steps`` (see :class:`ProgramStep`): the host issues them in order without ever
+    blocking; each stream runs its work in issue order; ``event_seconds`` is added to every
+    satisfied wait. With one stream and no events this is exactly :func:`simulate`.
+
+    Raises:
+        ValueError: for a copy waited before it is issued, or an unknown kind.
+    """
+    free: dict[int, float] = {}
+    channel = {"d2h": 0.0, "h2d": 0.0}
+    events: dict[object, float] = {}
+    copies: dict[object, list] = {}
+    starts, ends = [], []
+    exposed = 0.0
+    for st in steps:
+        t = free.get(st.stream, 0.0)
+        if st.kind == "compute":
+            start, end = t, t + st.seconds
+            free[st.stream] = end
+        elif st.kind == "record":
+            events[st.key] = t
+            start = end = t
+        elif st.kind == "wait":
+            start = t
+            if st.key in events:
+                free[st.stream] = max(t, events[st.key] + event_seconds)
+            end = free.get(st.stream, 0.0)
+        elif st.kind == "copy":
+            start = max(t, channel[st.direction])
+            end = start + st.seconds
+            channel[st.direction] = end
+            copies[st.key] = [t, start, end, 0.0]
+        elif st.kind == "copy_wait":
+            if st.key not in copies:
+                raise ValueError(f"copy {st.key!r} is waited for before it is issued")
+            start = t
+            done = copies[st.key][2]
+            if done > t:
+                copies[st.key][3] += done - t
+                exposed += done - t
+                free[st.stream] = done
+            end = free.get(st.stream, 0.0)
+        else:
+            raise ValueError(f"unknown program step kind {st.kind!r}")
+        starts.append(start)
+        ends.append(end)
+    total = max([0.0, *free.values(), *(c[2] for c in copies.values())])
+    return ProgramTimeline(
+        step_seconds=total,
+        start=tuple(starts),
+        end=tuple(ends),
+        exposed_seconds=exposed,
+        copies=tuple((k, *v) for k, v in copies.items()),
+    )
+
+
+# ------------------------------------------------------------------------------------------
 # The simulator applied to a rewritten graph pair.
 
 
@@ -127,6 +237,7 @@ class PairTimeline:
     step_seconds: tuple[float, ...]
     live_bytes: tuple[int, ...]
     copy_names: tuple[str, ...]
+    step_streams: tuple[int, ...] = ()
 
     @property
     def step_time(self) -> float:
@@ -146,7 +257,7 @@ class PairTimeline:
 
     def chrome_trace(self) -> dict:
         """The schedule in Chrome's trace-event format (Perfetto and chrome://tracing open it):
-        one track for compute, one per copy direction, a device-memory counter."""
+        one track per compute stream, one per copy direction, a device-memory counter."""
         us = 1e6
         events: list[dict] = []
         tids = {"compute": 1, "d2h": 2, "h2d": 3}
@@ -155,18 +266,22 @@ class PairTimeline:
             "d2h": "D2H copies (device to host)",
             "h2d": "H2D copies (host to device)",
         }
+        streams = self.step_streams or (0,) * len(self.step_names)
+        for s in sorted(set(streams) - {0}):
+            tids[f"stream{s}"] = 10 + s
+            names[f"stream{s}"] = f"compute side stream {s}"
         for key, tid in tids.items():
             events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": names[key]}})
         events.append({"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "trinity simulated step"}})
-        for name, start, dur, live in zip(
-            self.step_names, self.timeline.step_start, self.step_seconds, self.live_bytes
+        for name, start, dur, live, stream in zip(
+            self.step_names, self.timeline.step_start, self.step_seconds, self.live_bytes, streams
         ):
             if dur > 0:
                 events.append(
                     {
                         "ph": "X",
                         "pid": 1,
-                        "tid": tids["compute"],
+                        "tid": tids["compute"] if stream == 0 else tids[f"stream{stream}"],
                         "name": name,
                         "ts": start * us,
                         "dur": dur * us,
@@ -222,8 +337,47 @@ def simulate_pair(pair, spec, assume_fusion: bool = False, pinned: bool = True) 
         wait_pos = index[waits[0]] if waits else len(nodes)
         tasks.append(CopyTask(len(tasks), direction, costs.transfer_seconds(nbytes, direction), index[n], wait_pos))
         names.append(f"{'evict' if direction == 'd2h' else 'prefetch'} {n.name} ({nbytes} bytes)")
-    timeline = simulate(costs.step_seconds, tasks)
     step_names = tuple(f"{s.graph}:{s.node}" for s in live.steps)
+    from .assign_streams import EVENT_OVERHEAD_S, STREAM_KEY, program_steps
+    from .happens_before import has_streams
+
+    if not (has_streams(pair.forward) or has_streams(pair.backward)):
+        timeline = simulate(costs.step_seconds, tasks)
+        return PairTimeline(
+            timeline, step_names, tuple(costs.step_seconds), tuple(int(b) for b in live.live_bytes()), tuple(names)
+        )
+    # Several compute streams: the joint program, forward then backward, in issue order.
+    seconds = {n: costs.step_seconds[index[n]] for n in nodes}
+    copy_seconds = {
+        n: tasks[i].seconds
+        for i, n in enumerate(x for x in nodes if x.op == "call_function" and x.target in (EVICT, PREFETCH))
+    }
+    steps = program_steps(pair.forward, seconds, copy_seconds, "forward") + program_steps(
+        pair.backward, seconds, copy_seconds, "backward"
+    )
+    prog = simulate_program(steps, EVENT_OVERHEAD_S)
+    copy_names = {}
+    for n in nodes:
+        if n.op == "call_function" and n.target in (EVICT, PREFETCH):
+            copy_names[(n.graph.owning_module is pair.forward and "forward" or "backward", n.name)] = len(copy_names)
+    timings = [None] * len(copy_names)
+    stalls = 0.0
+    for key, issue, start, end, stall in prog.copies:
+        i = copy_names[key]
+        timings[i] = CopyTiming(i, tasks[i].direction, issue, start, end, stall)
+        stalls += stall
+    timeline = Timeline(
+        step_seconds=prog.step_seconds,
+        compute_seconds=float(sum(costs.step_seconds)),
+        exposed_seconds=stalls,
+        step_start=prog.start,
+        copies=tuple(t for t in timings if t is not None),
+    )
     return PairTimeline(
-        timeline, step_names, tuple(costs.step_seconds), tuple(int(b) for b in live.live_bytes()), tuple(names)
+        timeline,
+        step_names,
+        tuple(costs.step_seconds),
+        tuple(int(b) for b in live.live_bytes()),
+        tuple(names),
+        tuple(n.meta.get(STREAM_KEY, 0) for n in nodes),
     )

@@ -7,7 +7,10 @@ Checked (transfer nodes found by op target, never by name):
 2. the evicted device tensor (and every alias of it) is not read after its ``evict_wait``;
 3. every host tensor the backward receives feeds exactly one ``prefetch``; every ``prefetch`` has
    exactly one ``prefetch_wait``; nothing reads the prefetched tensor between the two;
-4. the peak of the rewritten pair, measured again by liveness from scratch, is within the budget
+4. happens-before across streams (multi-stream graphs only; see :mod:`.happens_before`): every
+   cross-stream read is ordered by an event path from its writer, and no buffer is freed while
+   another stream may still read it;
+5. the peak of the rewritten pair, measured again by liveness from scratch, is within the budget
    and equals the planner's simulated peak.
 
 Reads ``node.meta["val"]``; writes nothing.
@@ -21,6 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..graph_pair import GraphPair, tensor_vals
 from ..options import format_bytes
 from ..runtime.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
+from . import happens_before
 from . import liveness as liveness_pass
 
 __all__ = ["VerificationError", "verify"]
@@ -121,6 +125,9 @@ def verify(
         VerificationError: listing every broken invariant.
     """
     errors = _check_forward(pair.forward, pair.fw_outputs()) + _check_backward(pair.backward)
+    for name, gm in (("forward", pair.forward), ("backward", pair.backward)):
+        if happens_before.has_streams(gm):
+            errors += happens_before.check_streams(gm, name)
     if errors:  # the peak of a malformed rewrite means nothing; report the structure first
         raise VerificationError("trinity verification failed:\n  - " + "\n  - ".join(errors))
     try:

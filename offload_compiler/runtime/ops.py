@@ -22,6 +22,20 @@ wait cannot sink later either, where it would keep the evicted storage alive.
   ``hosts``) and makes Inductor materialise the reader there, instead of inlining it into a later
   kernel that would read the evicted storage after the point where the plan frees it.
 
+Stream ops (multi-stream compute, inserted by ``passes/assign_streams.py``; ``stream`` is an index
+into the runtime's :class:`~offload_compiler.runtime.streams.ComputeStreams`, 0 = the stream that
+was current when the graph started):
+
+* ``trinity::set_stream(int rt, int stream) -> ()``: make ``stream`` the current stream; the
+  kernels of the following nodes run (and allocate) there.
+* ``trinity::record_event(Tensor[] after, int rt, int event, int stream) -> ()``: record event
+  ``event`` on ``stream``: it completes when all work queued on ``stream`` so far has.
+  ``after`` holds the producer's output: a data edge that keeps the record after it.
+* ``trinity::wait_event(Tensor[] keep, int rt, int event, int stream) -> ()``: ``stream`` waits
+  for event ``event``'s last record. ``keep`` holds tensors that must stay alive up to here: a
+  buffer allocated on ``stream`` and read on another is freed only after this wait (keep-alive
+  through the IR, no ``record_stream``).
+
 ``torch.library.custom_op`` cannot express these (it forbids mutated-and-returned aliasing
 patterns and cannot mark the keep-alive), so they are defined with ``torch.library.Library`` and
 given fake (meta) implementations for FakeTensor tracing and Inductor.
@@ -34,7 +48,18 @@ from torch.fx.node import has_side_effect
 
 from .transfer import get_runtime
 
-__all__ = ["EVICT", "EVICT_WAIT", "FENCE", "PREFETCH", "PREFETCH_WAIT", "TRANSFER_OPS"]
+__all__ = [
+    "EVICT",
+    "EVICT_WAIT",
+    "FENCE",
+    "PREFETCH",
+    "PREFETCH_WAIT",
+    "TRANSFER_OPS",
+    "SET_STREAM",
+    "RECORD_EVENT",
+    "WAIT_EVENT",
+    "STREAM_OPS",
+]
 
 _lib = torch.library.Library("trinity", "DEF")
 _lib.define("evict(Tensor src, int rt) -> Tensor")
@@ -42,6 +67,9 @@ _lib.define("evict_wait(Tensor(a!) host, Tensor src, int rt, Tensor(b!)? after=N
 _lib.define("prefetch(Tensor host, Device device, int rt, Tensor? after=None) -> Tensor")
 _lib.define("prefetch_wait(Tensor(a!) dev, int rt, Tensor? after=None) -> ()")
 _lib.define("fence(Tensor(a!)[] hosts, Tensor reader) -> ()")
+_lib.define("set_stream(int rt, int stream) -> ()")
+_lib.define("record_event(Tensor[] after, int rt, int event, int stream) -> ()")
+_lib.define("wait_event(Tensor[] keep, int rt, int event, int stream) -> ()")
 
 
 def _evict(src: torch.Tensor, rt: int) -> torch.Tensor:
@@ -64,7 +92,22 @@ def _fence(hosts: list[torch.Tensor], reader: torch.Tensor) -> None:
     return None
 
 
+def _set_stream(rt: int, stream: int) -> None:
+    get_runtime(rt).compute_streams.set_stream(stream)
+
+
+def _record_event(after: list[torch.Tensor], rt: int, event: int, stream: int) -> None:
+    get_runtime(rt).compute_streams.record(event, stream)
+
+
+def _wait_event(keep: list[torch.Tensor], rt: int, event: int, stream: int) -> None:
+    get_runtime(rt).compute_streams.wait(event, stream)
+
+
 for _name, _fn in (
+    ("set_stream", _set_stream),
+    ("record_event", _record_event),
+    ("wait_event", _wait_event),
     ("fence", _fence),
     ("evict", _evict),
     ("evict_wait", _evict_wait),
@@ -101,13 +144,32 @@ def _prefetch_wait_fake(dev: torch.Tensor, rt: int, after: torch.Tensor | None =
     return None
 
 
+@torch.library.register_fake("trinity::set_stream", lib=_lib)
+def _set_stream_fake(rt: int, stream: int) -> None:
+    return None
+
+
+@torch.library.register_fake("trinity::record_event", lib=_lib)
+def _record_event_fake(after: list[torch.Tensor], rt: int, event: int, stream: int) -> None:
+    return None
+
+
+@torch.library.register_fake("trinity::wait_event", lib=_lib)
+def _wait_event_fake(keep: list[torch.Tensor], rt: int, event: int, stream: int) -> None:
+    return None
+
+
 EVICT = torch.ops.trinity.evict.default
 EVICT_WAIT = torch.ops.trinity.evict_wait.default
 PREFETCH = torch.ops.trinity.prefetch.default
 PREFETCH_WAIT = torch.ops.trinity.prefetch_wait.default
 FENCE = torch.ops.trinity.fence.default
 TRANSFER_OPS = (EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT, FENCE)
+SET_STREAM = torch.ops.trinity.set_stream.default
+RECORD_EVENT = torch.ops.trinity.record_event.default
+WAIT_EVENT = torch.ops.trinity.wait_event.default
+STREAM_OPS = (SET_STREAM, RECORD_EVENT, WAIT_EVENT)
 
 # Keep FX dead-code elimination away from the waits even where nothing reads their result.
-for _op in (EVICT_WAIT, PREFETCH_WAIT, FENCE):
+for _op in (EVICT_WAIT, PREFETCH_WAIT, FENCE, SET_STREAM, RECORD_EVENT, WAIT_EVENT):
     has_side_effect(_op)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .pool import HostPool, HostPoolStats
-from .streams import CopyStreams
+from .streams import ComputeStreams, CopyStreams
 
 __all__ = ["FaultInjection", "TransferRuntime", "TransferStats", "get_runtime", "span_bytes"]
 
@@ -145,6 +145,8 @@ class TransferRuntime:
     ):
         self.device = torch.device(device)
         self.streams = CopyStreams(self.device)
+        # The compute streams and events of multi-stream graphs (passes/assign_streams.py).
+        self.compute_streams = ComputeStreams(self.device)
         self.faults = faults
         self._rng = random.Random(faults.seed) if faults is not None else None
         self.pool = HostPool(
