@@ -226,6 +226,11 @@ class CompileSession:
             dump_dir=str(dumper.dir) if dumper else None,
             runtime_id=self.runtime.id,
             device_name=costs.device.name,
+            not_offloaded=tuple(
+                (st.fw_node, st.reason)
+                for st in live.saved
+                if not st.evictable and not st.reason.startswith("aliases a")
+            ),
         )
         if dumper:
             dumper.text("report.json", report.to_json())

@@ -43,6 +43,8 @@ class TrinityReport:
         dump_dir: where this pair's dumps are (``None`` without ``dump_dir``).
         runtime_id: id of the pair's transfer runtime.
         device_name: the device figures the cost model used.
+        not_offloaded: saved activations kept on the device because trinity cannot move them
+            (``(forward node, reason)``: a tensor subclass, a collective's buffer, ...).
     """
 
     graph_id: int
@@ -67,6 +69,7 @@ class TrinityReport:
     dump_dir: str | None
     runtime_id: int
     device_name: str
+    not_offloaded: tuple[tuple[str, str], ...] = ()
 
     def runtime_stats(self) -> TransferStats | None:
         """Live counters of this pair's transfer runtime (host pool included), or ``None`` once
@@ -98,6 +101,9 @@ class TrinityReport:
                 f"not hidden under compute ({100 * self.exposed_transfer_seconds / self.compute_seconds:.0f}% of "
                 "compute); a larger budget or a faster host link hides them"
             )
+        if self.not_offloaded:
+            kept = "; ".join(f"{node!r}: {why}" for node, why in self.not_offloaded)
+            lines.append(f"  kept       {len(self.not_offloaded)} saved tensors on the device: {kept}")
         if self.fallback_reason:
             lines.append(f"  fallback   {self.fallback_reason}")
         if self.dump_dir:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import threading
 
 import pytest
 import torch
@@ -17,11 +18,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import offload_compiler
+from offload_compiler import measure_peak_device_bytes
 from offload_compiler.runtime.pool import HostPool, HostPoolExhausted
 from offload_compiler.runtime.transfer import FaultInjection, TransferRuntime, _registry
 
 from . import models
-from .test_e2e import SideBySide, assert_same, sgd_
+from .test_e2e import PEAK_SLACK_BYTES, SideBySide, assert_same, sgd_
 
 ops = torch.ops.trinity
 
@@ -449,3 +451,253 @@ def test_parameters_keep_requires_grad_and_grads_accumulate(fault_injection):
     sgd_(sbs.model)
     sgd_(sbs.ref_model)
     assert all(torch.equal(a, p) for a, p in zip(frozen_before, [p for p in params if not p.requires_grad]))
+
+
+# ---------------------------------------------------------------------- unsupported inputs
+
+
+class MyParameter(nn.Parameter):
+    """A ``Parameter`` subclass (as some libraries use to tag parameters)."""
+
+
+def _assert_trains_like_aot_eager(make_model, batch, budget="60%", steps=2):
+    sbs = SideBySide(make_model, "eager", budget=budget)
+    for _ in range(steps):
+        sbs.sync()
+        ref = sbs.ref(*batch)
+        ref.backward()
+        loss = sbs.compiled(*batch)
+        loss.backward()
+        assert type(loss) is type(ref)
+        assert torch.equal(loss.detach(), ref.detach()) if type(loss) is torch.Tensor else torch.equal(loss.a, ref.a)
+        for (name, p), q in zip(sbs.model.named_parameters(), sbs.ref_model.parameters()):
+            assert type(p) is type(q) and type(p.grad) is type(q.grad), name
+            assert torch.equal(p.grad, q.grad), f"grad of {name}"
+        sgd_(sbs.model)
+        sgd_(sbs.ref_model)
+        sbs.model.zero_grad(set_to_none=True)
+        sbs.ref_model.zero_grad(set_to_none=True)
+    (r,) = sbs.reports()
+    return r
+
+
+def test_parameter_subclass_trains_and_offloads():
+    def make():
+        torch.manual_seed(0)
+        m = BoomMLP(depth=6)
+        for lin in m.lins:
+            lin.weight = MyParameter(lin.weight.detach().clone())
+        return m
+
+    r = _assert_trains_like_aot_eager(make, boom_batch(2048))
+    assert r.num_evicted > 0 and r.not_offloaded == ()
+
+
+def test_wrapper_subclass_input_and_parameters_are_offloaded_as_their_plain_parts():
+    """A traceable ``__torch_dispatch__`` wrapper subclass (``TwoTensor``) is flattened by
+    AOTAutograd before trinity sees the graph: its activations are plain tensors, offloaded like
+    any other, with bit-equal results."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    x, y = boom_batch(2048)
+    r = _assert_trains_like_aot_eager(BoomMLP, (TwoTensor(x, 2 * x), y))
+    assert r.num_evicted > 0
+
+    def make():
+        torch.manual_seed(0)
+        m = BoomMLP(depth=6)
+        for lin in m.lins:
+            w = lin.weight.detach()
+            lin.weight = nn.Parameter(TwoTensor(w.clone(), w.clone()))
+        return m
+
+    torch._dynamo.reset()
+    r = _assert_trains_like_aot_eager(make, (x, y))
+    assert r.num_evicted > 0
+
+
+def test_non_plain_saved_tensors_are_kept_with_a_reason():
+    """A saved tensor liveness cannot account as plain strided memory (a subclass or sparse value
+    that reaches the partitioned graph) is never a candidate, and says why."""
+    from offload_compiler.passes import liveness
+
+    from .graphs import capture_pair
+
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    pair = capture_pair(lambda w, x: torch.tanh(x @ w).sum(), w, torch.randn(64, 32), static=(0,))
+    (before,) = [st for st in liveness.analyze(pair).saved if st.evictable]
+    (node,) = [n for n in pair.forward.graph.nodes if n.name == before.fw_node]
+    node.meta["val"] = _as_sparse_meta(node.meta["val"])
+    live = liveness.analyze(pair)
+    (st,) = [s for s in live.saved if s.fw_node == before.fw_node]
+    assert not st.evictable and st.reason == "not a plain strided tensor (subclass or sparse)"
+    assert not [b for b in live.candidates() if before.index in b.saved]
+
+
+def _as_sparse_meta(val):
+    with val.fake_mode if hasattr(val, "fake_mode") else torch._subclasses.FakeTensorMode():
+        return torch.empty(val.shape, dtype=val.dtype).to_sparse()
+
+
+@pytest.fixture
+def gloo_world():
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+class AllReduceMLP(nn.Module):
+    def __init__(self, d=128, depth=6):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+
+    def forward(self, x, y):
+        import torch.distributed._functional_collectives as fc
+
+        h = x
+        for i, lin in enumerate(self.lins):
+            h = torch.tanh(lin(h))
+            if i == 2:
+                h = fc.all_reduce(h, "sum", torch.distributed.group.WORLD)
+        return F.mse_loss(h, y)
+
+
+def test_buffers_of_a_collective_are_not_offloaded_and_the_report_says_why(gloo_world):
+    """A functional all-reduce traces on CPU (gloo, one process). Its input and output storages
+    stay on the device (the collective's stream is not ordered with trinity's copies); the rest
+    is offloaded and the gradients are bit-equal."""
+    r = _assert_trains_like_aot_eager(AllReduceMLP, boom_batch(2048), budget="75%")
+    assert r.num_evicted > 0
+    kept = dict(r.not_offloaded)
+    assert len(kept) == 2, kept
+    assert all("collective" in why and "_c10d_functional" in why for why in kept.values())
+    assert any("all_reduce" in why for why in kept.values()) and any("wait_tensor" in why for why in kept.values())
+    assert "kept       2 saved tensors on the device" in r.summary()
+
+
+# ---------------------------------------------------------------------- long runs, threads
+
+
+def counting_trinity(options):
+    """A backend that counts its compilations (``.calls``) and otherwise is trinity."""
+    from offload_compiler.backend import trinity
+
+    def backend(gm, example_inputs):
+        backend.calls += 1
+        return trinity(gm, example_inputs, options=options)
+
+    backend.calls = 0
+    return backend
+
+
+def test_a_hundred_demo_steps_flat_pool_flat_peak_one_compile():
+    from offload_compiler.demo import Batches, _LossModel, load_corpus
+    from offload_compiler.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    batches = Batches(load_corpus(1 << 16), batch_size=16, seq_len=32)
+    torch.manual_seed(0)
+    ref_model = _LossModel(GPT(cfg))
+    model = copy.deepcopy(ref_model)
+    backend = counting_trinity({"memory_budget": "50%", "inner": "eager", "min_offload_bytes": 0})
+    before = len(offload_compiler.reports())
+    compiled = torch.compile(model, backend=backend)
+    ref = torch.compile(ref_model, backend="aot_eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3)
+    cpu = torch.device("cpu")
+    peaks, held, allocations = {}, [], []
+    for step in range(100):
+        x, y = batches.batch(step, cpu)
+        if step in (2, 50, 99):
+            resident = list(model.parameters()) + [x, y]
+            m = measure_peak_device_bytes(lambda x=x, y=y: compiled(x, y).backward(), resident=resident, device="cpu")
+            peaks[step] = m.peak_bytes
+            # The measured step's gradients are discarded; recompute the step to stay in lockstep.
+            opt.zero_grad(set_to_none=True)
+        loss = compiled(x, y)
+        loss.backward()
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        assert torch.equal(loss.detach(), ref_loss.detach()), f"step {step}"
+        for opt_ in (opt, ref_opt):
+            opt_.step()
+            opt_.zero_grad(set_to_none=True)
+        (r,) = offload_compiler.reports()[before:]
+        stats = r.runtime_stats()
+        held.append(stats.host_pool.held_bytes)
+        allocations.append(stats.host_pool.num_allocations)
+        assert stats.pending_copies == 0
+    assert backend.calls == 1 and len(offload_compiler.reports()) == before + 1, "recompiled"
+    assert r.num_evicted > 0
+    assert len(set(held[1:])) == 1 and len(set(allocations[1:])) == 1, "host pool grew after the second step"
+    assert len(set(peaks.values())) == 1, f"measured peak drifted: {peaks}"
+    assert peaks[99] <= r.budget_bytes + PEAK_SLACK_BYTES
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_two_models_trained_in_two_threads_at_once():
+    """Two trinity-compiled models (their own runtimes and pools) trained concurrently in two
+    threads; each matches its reference trained alone."""
+    cases = [(models.GPTLoss, models.gpt_batch()), (models.MLP, models.mlp_batch(2048))]
+    torch.manual_seed(0)
+    refs = [make() for make, _ in cases]
+    mines = [copy.deepcopy(m) for m in refs]
+    opts = {"memory_budget": "50%", "inner": "eager", "min_offload_bytes": 0}
+    compiled = [torch.compile(m, backend="trinity", options=opts) for m in mines]
+    ref_grads = []
+    for m, (_, batch) in zip(refs, cases):
+        grads = []
+        fn = torch.compile(m, backend="aot_eager")
+        for _ in range(4):
+            fn(*batch).backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            sgd_(m)
+            m.zero_grad(set_to_none=True)
+        ref_grads.append(grads)
+    barrier = threading.Barrier(2)
+    results: list = [None, None]
+
+    def train(i):
+        try:
+            m, fn, (_, batch) = mines[i], compiled[i], cases[i]
+            barrier.wait()
+            grads = []
+            for _ in range(4):
+                fn(*batch).backward()
+                grads.append([p.grad.clone() for p in m.parameters()])
+                sgd_(m)
+                m.zero_grad(set_to_none=True)
+            results[i] = grads
+        except BaseException as exc:  # reported below
+            results[i] = exc
+
+    before = len(offload_compiler.reports())
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    for i, res in enumerate(results):
+        assert not isinstance(res, BaseException), f"thread {i} raised {res!r}"
+        assert res is not None, f"thread {i} did not finish"
+        for step, (got, want) in enumerate(zip(res, ref_grads[i])):
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), f"model {i} step {step}"
+    reports = offload_compiler.reports()[before:]
+    assert len(reports) == 2 and len({r.runtime_id for r in reports}) == 2
+    for r in reports:
+        s = r.runtime_stats()
+        assert r.num_evicted > 0 and s.num_evicts == 4 * r.num_evicted and s.pending_copies == 0
