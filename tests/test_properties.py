@@ -195,3 +195,95 @@ def test_random_models_exercised_offloading():
         pytest.skip("run with the property test")
     assert sum(1 for feasible, _ in _CASES if feasible) >= len(_CASES) // 3, _CASES
     assert sum(1 for _, n in _CASES if n > 0) >= len(_CASES) // 2, _CASES
+
+
+# ------------------------------------------------------------------------------ options fuzz
+# tests/test_options.py fuzzes dicts of scalars and strings; these add values of every other
+# type a user might pass, inductor_config contents, and TRINITY_* environment text. Each input is
+# accepted and round-trips, or is rejected with a ValueError naming the key (never a TypeError,
+# AttributeError or a silent coercion).
+
+_ODD_VALUES = st.one_of(
+    st.lists(st.integers(0, 10), max_size=3),
+    st.tuples(st.text(max_size=4), st.integers()),
+    st.dictionaries(st.text(max_size=6), st.one_of(st.integers(), st.booleans(), st.text(max_size=4)), max_size=3),
+    st.binary(max_size=8),
+    st.sampled_from([-0.0, 0.5, 1.0, 2.5, 1e300, -1e-300, float("nan"), float("-inf")]),
+    st.sampled_from([object(), type, len, Ellipsis, 1j, torch.device("cpu"), torch.float32, slice(1)]),
+    st.builds(lambda s: __import__("pathlib").Path("/tmp") / s, st.text("abc", min_size=1, max_size=4)),
+    st.sampled_from(["50 %", " 50%", "50%%", "1e3GB", "-1GB", "0x10", "inf", "nan", "1_000", "True", "eager "]),
+)
+
+
+def _option_names():
+    import dataclasses
+
+    from offload_compiler.options import TrinityOptions
+
+    return sorted(f.name for f in dataclasses.fields(TrinityOptions))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(_option_names()), _ODD_VALUES)
+def test_fuzz_odd_typed_option_values_round_trip_or_name_the_key(key, value):
+    from offload_compiler.options import TrinityOptions
+
+    try:
+        opts = TrinityOptions.from_user({key: value}, env={})
+    except ValueError as exc:
+        assert repr(key) in str(exc) or key in str(exc), f"{key}={value!r}: {exc} does not name the key"
+        return
+    d = opts.to_dict()
+    import json
+
+    json.dumps(d)
+    assert TrinityOptions.from_user(d, env={}) == opts, f"{key}={value!r} does not round-trip: {d}"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.dictionaries(
+        st.one_of(
+            st.sampled_from(
+                ["max_autotune", "triton.cudagraphs", "realize_reads_threshold", "coordinate_descent_tuning"]
+            ),
+            st.text(max_size=10),
+            st.integers(),
+        ),
+        st.one_of(
+            st.booleans(), st.integers(-2, 5), st.text(max_size=4), st.none(), st.lists(st.integers(), max_size=2)
+        ),
+        max_size=3,
+    )
+)
+def test_fuzz_inductor_config_round_trips_or_names_the_setting(config):
+    from offload_compiler.options import TrinityOptions
+
+    try:
+        opts = TrinityOptions.from_user({"inductor_config": config}, env={})
+    except ValueError as exc:
+        assert "inductor_config" in str(exc), f"{config!r}: {exc}"
+        return
+    assert TrinityOptions.from_user(opts.to_dict(), env={}) == opts
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.dictionaries(
+        st.sampled_from(_option_names()).map(lambda n: "TRINITY_" + n.upper()),
+        st.one_of(
+            st.text(max_size=10),
+            st.sampled_from(["0", "1", "yes", "off", "50%", "2GiB", "eager", "warn", "error", "fallback", "{}", "7"]),
+        ),
+        max_size=4,
+    )
+)
+def test_fuzz_environment_values_round_trip_or_name_the_variable(env):
+    from offload_compiler.options import TrinityOptions
+
+    try:
+        opts = TrinityOptions.from_user({}, env=env)
+    except ValueError as exc:
+        assert any(var in str(exc) for var in env), f"{env}: {exc} names no variable"
+        return
+    assert TrinityOptions.from_user(opts.to_dict(), env={}) == opts, f"{env} does not round-trip"
