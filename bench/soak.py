@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 )
                 losses[step] = loss.item()
+                print(f"step {step}: {samples[-1]} loss {losses[step]:.4f}", flush=True)
     seconds = time.perf_counter() - t_start
     reports = offload_compiler.reports()[before:]
     after_first = samples[1:]

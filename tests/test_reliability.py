@@ -324,8 +324,7 @@ def test_reload_prefetched_immediately_before_use_never_reads_an_unfinished_copy
     assert cases == 12
 
 
-@pytest.mark.parametrize("fault_injection", FAULT_MODES)
-@pytest.mark.parametrize("case", ["gpt_block", "cnn_batchnorm"])
+@pytest.mark.parametrize("case, fault_injection", [("gpt_block", None), ("gpt_block", 1234), ("cnn_batchnorm", 1234)])
 def test_no_grad_forward_in_training_mode_advances_no_offload_state(case, fault_injection):
     make_model, make_batch = {
         "gpt_block": (models.GPTLoss, models.gpt_batch),
@@ -378,11 +377,8 @@ def test_host_pool_limit_reached_in_the_middle_of_a_forward(fault_injection):
     """The limit is hit after some evictions of a step: the error names what was asked and what
     the pool holds, the blocks the step took are all free again, and with the limit raised the
     next step is correct."""
-    probe = SideBySide(models.MLP, "eager")
-    probe.step(models.mlp_batch())
-    need = runtime_of(probe).stats().host_pool.held_bytes
-    torch._dynamo.reset()
-    limit = need // 2
+    # MLP on 4096 rows: its evicted activations are 2 MiB each (a 2 MiB block each); two fit.
+    limit = 5 * 2**20
     sbs = SideBySide(
         models.MLP,
         "eager",
@@ -407,7 +403,7 @@ def test_host_pool_limit_reached_in_the_middle_of_a_forward(fault_injection):
     assert rt.stats().host_pool.in_use_bytes == 0
     rt.purge()
     assert rt.stats().pending_copies == 0
-    rt.pool.limit_bytes = 4 * need
+    rt.pool.limit_bytes = 64 * 2**20
     for _ in range(2):
         sbs.step(batch)
     assert rt.stats().pending_copies == 0
@@ -701,3 +697,14 @@ def test_two_models_trained_in_two_threads_at_once():
     for r in reports:
         s = r.runtime_stats()
         assert r.num_evicted > 0 and s.num_evicts == 4 * r.num_evicted and s.pending_copies == 0
+
+
+def test_dynamic_batch_sizes_under_fault_injection_one_compile():
+    """``dynamic=True`` (tests/test_e2e.py checks parity and memory at three sizes); here the
+    copies of every size go through the fault-injection runtime: one compile, exact gradients."""
+    sbs = SideBySide(models.MLP, "eager", dynamic=True, fault_injection=5)
+    for n in (2048, 3072, 1024, 3072):
+        sbs.step(models.mlp_batch(n))
+    (r,) = sbs.reports()
+    s = r.runtime_stats()
+    assert s.num_evicts == 4 * r.num_evicted and s.pending_copies == 0
