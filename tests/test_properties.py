@@ -301,6 +301,8 @@ def test_fuzz_inductor_config_round_trips_or_names_the_setting(config):
         max_size=4,
     )
 )
+# Found by this test: "¹" passed str.isdigit() and int() then raised a ValueError naming nothing.
+@example({"TRINITY_FAULT_INJECTION": "¹"})
 def test_fuzz_environment_values_round_trip_or_name_the_variable(env):
     from offload_compiler.options import TrinityOptions
 
