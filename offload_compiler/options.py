@@ -416,7 +416,8 @@ def _validate(name: str, value: Any, where: str) -> Any:
     if name == "fault_injection":
         if value is None:
             return None
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        digits = value.strip().lstrip("-") if isinstance(value, str) else ""
+        if digits.isascii() and digits.isdigit():  # not "¹": str.isdigit accepts superscripts
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise bad("None or a non-negative int seed")

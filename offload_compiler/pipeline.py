@@ -362,6 +362,11 @@ class CompileSession:
                 if residency is not None
                 else None
             ),
+            not_offloaded=tuple(
+                (st.fw_node, st.reason)
+                for st in live.saved
+                if not st.evictable and not st.reason.startswith("aliases a")
+            ),
         )
         if dumper:
             dumper.text("report.json", report.to_json())

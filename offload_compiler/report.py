@@ -49,6 +49,8 @@ class TrinityReport:
             offloaded, host bytes, the predicted peak with parameter residency (``peak_bytes``, the
             same as ``peak_bytes_planned``) and with parameters resident throughout
             (``peak_bytes_resident_params``), and the working window (``max_window_steps`` nodes, ``window_seconds``); else ``None``.
+        not_offloaded: saved activations kept on the device because trinity cannot move them
+            (``(forward node, reason)``: a tensor subclass, a collective's buffer, ...).
     """
 
     graph_id: int
@@ -75,6 +77,7 @@ class TrinityReport:
     device_name: str
     size_bounds: tuple[tuple[str, int], ...] = ()
     param_offload: dict | None = None
+    not_offloaded: tuple[tuple[str, str], ...] = ()
 
     def runtime_stats(self) -> TransferStats | None:
         """Live counters of this pair's transfer runtime (host pool included), or ``None`` once
@@ -114,6 +117,9 @@ class TrinityReport:
                 f"{format_bytes(po['peak_bytes'])} (resident: {format_bytes(po['peak_bytes_resident_params'])}), "
                 f"window up to {po['max_window_steps']} nodes"
             )
+        if self.not_offloaded:
+            kept = "; ".join(f"{node!r}: {why}" for node, why in self.not_offloaded)
+            lines.append(f"  kept       {len(self.not_offloaded)} saved tensors on the device: {kept}")
         if self.fallback_reason:
             lines.append(f"  fallback   {self.fallback_reason}")
         if self.dump_dir:

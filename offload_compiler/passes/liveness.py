@@ -331,6 +331,36 @@ def _alias_reader_steps(root: fx.Node, node_keys: dict, node_step: dict, reader_
     return None if first is None else (first, last)
 
 
+def _schema_view_of(node: fx.Node, index: int) -> fx.Node | None:
+    """The input node whose storage output ``index`` of ``node`` shares according to the op's
+    schema (``Tensor(a) self -> Tensor(a)``, a read-only alias), or ``None``."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    schema = node.target._schema
+    rets = schema.returns
+    if not rets:
+        return None
+    ret = rets[0] if len(rets) == 1 else (rets[index] if index < len(rets) else None)
+    if ret is None or ret.alias_info is None or ret.alias_info.is_write:
+        return None
+    for arg, value in zip(schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.before_set & ret.alias_info.before_set:
+            return value if isinstance(value, fx.Node) else None
+    return None
+
+
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d"})
+
+
+def _is_collective(node: fx.Node) -> bool:
+    """A distributed collective (``torch.distributed`` functional or in-place c10d op)."""
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.namespace in _COLLECTIVE_NAMESPACES
+    )
+
+
 def fused_chain_end(node: fx.Node, fused_nodes: set) -> fx.Node:
     """The node whose kernel computes ``node``: ``node`` itself, or, for a node fused into its
     only reader, the end of that chain."""
@@ -418,6 +448,10 @@ def analyze(pair: GraphPair, assume_fusion: bool = False) -> Liveness:
                     k = ("placeholder", graph_name, st)
                 elif st in input_keys:
                     k = input_keys[st]
+                elif (src := _schema_view_of(n, i)) is not None and len(node_keys.get(src, ())) == 1:
+                    # A view op whose fake value came from the other graph (a recomputed node):
+                    # its schema still says whose storage it shares.
+                    k = node_keys[src][0]
                 else:
                     k = ("node", graph_name, n.name, i)
                 uf.find(k)
@@ -531,6 +565,15 @@ def analyze(pair: GraphPair, assume_fusion: bool = False) -> Liveness:
                     else:
                         info["bw_uses"].append(read_first)
 
+    # Storages a collective reads or writes: the collective runs on its own stream (NCCL), which
+    # trinity's copies are not ordered with, so such tensors stay on the device.
+    collective_of_root: dict = {}
+    for n in fw_nodes + bw_nodes:
+        if _is_collective(n):
+            for m in (*n.all_input_nodes, n):
+                for k in node_keys.get(m, ()):
+                    collective_of_root.setdefault(uf.find(k), n)
+
     root_id = {r: i for i, r in enumerate(roots)}
     saved_of_root: dict = {}
     saved: list[SavedTensor] = []
@@ -549,6 +592,12 @@ def analyze(pair: GraphPair, assume_fusion: bool = False) -> Liveness:
             reason = "no backward reader"
         if not reason and val.device != device:
             reason = f"on {val.device}, not the compute device {device}"
+        if not reason and root in collective_of_root:
+            c = collective_of_root[root]
+            reason = (
+                f"read or written by collective {c.name!r} ({c.target}); trinity's copies are not ordered "
+                "with the collective's stream"
+            )
         bw_reads = _alias_reader_steps(ph, node_keys, node_step, reader_step) if ph is not None else None
         source = roots[root]["source"] if root is not None and root in roots else None
         same_view = source is not None and _view_exprs(source.meta["val"]) == _view_exprs(val)

@@ -18,6 +18,8 @@ Reads ``node.meta["val"]``; writes nothing.
 
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -49,7 +51,9 @@ def _check_forward(fw: fx.GraphModule, fw_outputs: list) -> list[str]:
         if n.op in ("output", "placeholder"):
             continue
         for m in n.all_input_nodes:
-            for s in storages[m]:
+            # ``getitem`` of a multi-output node reads the one output it selects, not the others.
+            reads = storages[n] if n.target is operator.getitem and len(tensor_vals(m)) > 1 else storages[m]
+            for s in reads:
                 last_read[s] = (i, n, m)
     # A buffer evicted as several views is freed after the last of their waits.
     freed_at: dict = {}  # storage -> (position, wait node)

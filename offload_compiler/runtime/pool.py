@@ -286,6 +286,17 @@ class HostPool:
         ptr = tensor.untyped_storage().data_ptr()
         return any(p == ptr for p, _ in self.block_ranges())
 
+    def is_unused_block(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` is one of the pool's blocks and no tensor views it any more (the
+        pool's own reference is the only one left)."""
+        ptr = storage.data_ptr()
+        with self._lock:
+            for blocks in (*self._blocks.values(), self._overflow):
+                for block in blocks:
+                    if block.ptr == ptr:
+                        return not block.in_use()
+        return False
+
 
 def live_pool_blocks() -> list[tuple[int, int]]:
     """``(data_ptr, size)`` of every block of every live pool in this process (for accounting:

@@ -109,6 +109,13 @@ class _Deferred:
     def query(self) -> bool:
         return self.done
 
+    def orphaned(self, pool: HostPool) -> bool:
+        """Whether nothing can ever read this copy's result: its source or destination is gone,
+        or its destination is a host block no tensor views any more (an exception dropped the
+        evicted copy while the pool keeps the block)."""
+        src, dst = self.src(), self.dst()
+        return src is None or dst is None or pool.is_unused_block(dst)
+
     def run(self) -> None:
         if self.done:
             return
@@ -251,7 +258,7 @@ class TransferRuntime:
             for k in done:
                 del self._pending[k]
             if self.faults is not None:
-                gone = [k for k, d in self._deferred.items() if d.dst() is None]
+                gone = [k for k, d in self._deferred.items() if d.orphaned(self.pool)]
                 for k in gone:
                     self._deferred.pop(k).done = True
                 done += gone
