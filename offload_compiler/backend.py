@@ -169,12 +169,12 @@ def trinity(
 
             extra["inference_compiler"] = inference_compiler
         inner = boxed_nop
-        if faults is not None and opts.num_streams > 1:
+        if faults is not None and opts.compute_streams > 1:
             # Test mode: multi-stream graphs run under the interleaving executor.
             from .runtime.interleave import interleaved_compiler
 
             inner = interleaved_compiler(opts.fault_injection)
-        elif opts.num_streams > 1:
+        elif opts.compute_streams > 1:
             inner = _stream_safe(boxed_nop, runtime)
         backend = aot_autograd(
             fw_compiler=inner,

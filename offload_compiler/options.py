@@ -212,10 +212,12 @@ class TrinityOptions:
             out in random order; see ``offload_compiler.runtime.transfer.FaultInjection``). With
             ``num_streams > 1`` and ``inner="eager"`` the multi-stream graphs also run under the
             interleaving executor (``offload_compiler.runtime.interleave``).
-        num_streams: compute streams per device (int >= 1, default 2). 1 turns the
+        num_streams: compute streams per device (int >= 1), or ``None`` (the default: 2 with
+            ``inner="eager"``, 1 with Inductor; see :attr:`compute_streams`). 1 turns the
             ``assign_streams`` pass off; with more, independent nodes may run on side streams
-            where the cost model says that shortens the step. Only with ``inner="eager"``:
-            with Inductor the pass is switched off with a one-time warning (see README).
+            where the cost model says that shortens the step. Only with ``inner="eager"``: an
+            explicit ``num_streams > 1`` with Inductor is switched off with a one-time warning
+            (see README).
         offload: what lives in host memory: ``"activations"`` (saved activations the plan
             evicts; the default), ``"activations+params"`` (also parameters, fetched to the device
             around their uses inside the step and resident between steps) or ``"all"`` (also
@@ -243,7 +245,7 @@ class TrinityOptions:
     inductor_config: tuple[tuple[str, Any], ...] = ()
     fault_injection: int | None = None
     offload: Literal["activations", "activations+params", "all"] = "activations"
-    num_streams: int = 2
+    num_streams: int | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -290,6 +292,15 @@ class TrinityOptions:
             values[key] = (value, key)
         kwargs = {name: _validate(name, value, where) for name, (value, where) in values.items()}
         return cls(**kwargs)
+
+    @property
+    def compute_streams(self) -> int:
+        """The compute streams the ``assign_streams`` pass may use: ``num_streams``, or when it
+        is ``None``, 2 with ``inner="eager"`` and 1 with Inductor (which cannot take trinity's
+        streams; see README, "Multi-stream compute")."""
+        if self.num_streams is not None:
+            return self.num_streams
+        return 2 if self.inner == "eager" else 1
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly view (used in dumps and reports); :meth:`from_user` accepts it back."""
@@ -423,9 +434,11 @@ def _validate(name: str, value: Any, where: str) -> Any:
             raise bad("None or a non-negative int seed")
         return value
     if name == "num_streams":
+        if value is None:
+            return None
         number = int(value) if isinstance(value, str) and value.strip().isdigit() else value
         if isinstance(number, bool) or not isinstance(number, int) or number < 1:
-            raise bad("an int >= 1 (1 turns multi-stream compute off)")
+            raise bad("None or an int >= 1 (1 turns multi-stream compute off)")
         return number
     if name == "inductor_config":
         if isinstance(value, tuple) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):

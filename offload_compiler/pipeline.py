@@ -201,7 +201,7 @@ class CompileSession:
         offset = 0  # the two graphs share the runtime's events: disjoint ids
         for name, gm in (("forward", pair.forward), ("backward", pair.backward)):
             secs, copies = assign_streams.graph_seconds(gm, costs.device, costs.pinned)
-            plans[name] = assign_streams.plan(gm, opts.num_streams, secs, copies)
+            plans[name] = assign_streams.plan(gm, opts.compute_streams, secs, copies)
             assign_streams.apply(gm, plans[name], self.runtime.id, event_offset=offset)
             offset += plans[name].num_events
         if any(p.records for p in plans.values()):
@@ -266,11 +266,11 @@ class CompileSession:
         if the_plan.evictions:
             insert_transfers.apply(pair, live, the_plan, self.runtime.id, fence_readers=opts.inner == "inductor")
         seconds["insert_transfers"] = time.perf_counter() - t0
-        if opts.num_streams > 1 and model_state:
+        if opts.compute_streams > 1 and model_state:
             # Not combined yet: a side stream's read of a parameter is not ordered before the
             # parameter's release (README, "Limits today").
             log.info("assign_streams: off with offload=%r (parameter residency)", opts.offload)
-        elif opts.num_streams > 1:
+        elif opts.compute_streams > 1:
             t0 = time.perf_counter()
             stream_plans = self._assign_streams(pair, costs, the_plan.peak_bytes_planned)
             seconds["assign_streams"] = time.perf_counter() - t0

@@ -360,11 +360,11 @@ def test_a_full_options_dict_round_trips(tmp_path):
 
 
 def test_num_streams_default_forms_and_errors():
-    assert build().num_streams == 2
+    assert build().num_streams is None and build({"num_streams": None}).num_streams is None
     assert build({"num_streams": 1}).num_streams == 1
     assert build(env={"TRINITY_NUM_STREAMS": "3"}).num_streams == 3
     assert build({"num_streams": 2}, env={"TRINITY_NUM_STREAMS": "3"}).num_streams == 2
-    for bad in (0, -1, 1.5, 2.0, True, "two", None, "0"):
+    for bad in (0, -1, 1.5, 2.0, True, "two", "0"):
         with pytest.raises(ValueError) as info:
             build({"num_streams": bad})
         assert "'num_streams'" in str(info.value) and repr(bad) in str(info.value)
@@ -650,3 +650,12 @@ def test_fuzz_options_either_round_trip_or_name_the_offending_key(options):
         v = getattr(opts, name)
         assert type(v) is int and v >= 0
     assert isinstance(opts.dump_dir, (Path, type(None)))
+
+
+def test_num_streams_default_depends_on_the_inner_compiler():
+    assert build().num_streams is None
+    assert build({"inner": "eager"}).compute_streams == 2
+    assert build({"inner": "inductor"}).compute_streams == 1  # Inductor cannot take trinity's streams
+    assert build({"inner": "inductor", "num_streams": 3}).compute_streams == 3  # explicit: warned later
+    assert build({"inner": "eager", "num_streams": 1}).compute_streams == 1
+    assert build(env={"TRINITY_NUM_STREAMS": "3"}).num_streams == 3
