@@ -493,3 +493,30 @@ def test_bench_largest_depth_search(true_depth, max_depth):
     assert depth == min(true_depth, max_depth)
     assert [r["depth"] for r in rows] == sorted(set(calls))
     assert len(calls) == len(set(calls)) <= 2 * max_depth.bit_length() + 2
+
+
+def test_a_second_instance_reusing_the_compiled_code_is_refused():
+    """Dynamo reuses compiled code for another instance of the same class; the parameter slots
+    belong to the first instance, so the second must fail loudly instead of accumulating its
+    gradients into the first model's host gradients."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    a, b = make(), make()
+    options = {"offload": "all", "inner": "eager"}
+    ca = torch.compile(a, backend="trinity", options=options)
+    cb = torch.compile(b, backend="trinity", options=options)
+    opt = CPUOptimizer(a.parameters(), torch.optim.SGD, lr=0.1)
+    x = torch.randn(2, 8)
+    ca(x).sum().backward()
+    before = [g.clone() for g in opt.host_grads()]
+    with pytest.raises(RuntimeError, match="belongs to another module instance"):
+        cb(x * 100).sum().backward()
+    for g, h in zip(before, opt.host_grads()):
+        assert torch.equal(g, h)  # nothing of b's went into a's gradients
+    opt.step()
+    opt.synchronize()
+    torch._dynamo.reset()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch.fx.node import has_side_effect
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .model_state import get_slot
 
@@ -32,12 +33,35 @@ _lib.define("param_release(Tensor(a!) p, int slot, bool write_back) -> ()")
 _lib.define("grad_to_host(Tensor g, int slot) -> ()")
 
 
+def _checked_slot(p: torch.Tensor, slot_id: int):
+    """The slot, after checking that ``p`` (what the graph was called with) is its parameter.
+
+    Dynamo reuses compiled code for a second instance of the same module class (parameters are
+    graph inputs); the parameter slots belong to the first instance, so running on another
+    one would fetch, release and accumulate into the wrong model. That is refused here.
+
+    Raises:
+        RuntimeError: naming the slot, when ``p`` is not the slot's parameter.
+    """
+    slot = get_slot(slot_id)
+    param = slot.param_ref()
+    if param is None or StorageWeakRef(param.untyped_storage()) != StorageWeakRef(p.untyped_storage()):
+        raise RuntimeError(
+            f"trinity: parameter slot {slot_id} belongs to another module instance than the one this "
+            "compiled code was called with. Dynamo reuses compiled code for a second instance of the "
+            "same class without recompiling, but trinity's host copies of parameters (offload="
+            "'activations+params' or 'all') are per instance: call torch._dynamo.reset() before "
+            "compiling another instance of the model, or train one instance per process."
+        )
+    return slot
+
+
 def _param_fetch(p: torch.Tensor, slot: int) -> None:
-    get_slot(slot).fetch()
+    _checked_slot(p, slot).fetch()
 
 
 def _param_release(p: torch.Tensor, slot: int, write_back: bool) -> None:
-    get_slot(slot).release(write_back)
+    _checked_slot(p, slot).release(write_back)
 
 
 def _grad_to_host(g: torch.Tensor, slot: int) -> None:
