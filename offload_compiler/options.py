@@ -291,7 +291,14 @@ class TrinityOptions:
                 )
             values[key] = (value, key)
         kwargs = {name: _validate(name, value, where) for name, (value, where) in values.items()}
-        return cls(**kwargs)
+        opts = cls(**kwargs)
+        if opts.offload != "activations" and opts.inner != "eager":
+            raise ValueError(
+                f"trinity option 'offload': {opts.offload!r} needs inner='eager' (parameter storages are "
+                "resized inside the graph, which Inductor's buffer planning does not allow); got "
+                f"inner={opts.inner!r}"
+            )
+        return opts
 
     @property
     def compute_streams(self) -> int:

@@ -289,8 +289,8 @@ def test_every_option_in_its_allowed_forms_round_trips(tmp_path):
         {"inductor_config": (("debug", False),)},
         {"inductor_config": {}},
         {"offload": "activations"},
-        {"offload": "activations+params"},
-        {"offload": "all"},
+        {"offload": "activations+params", "inner": "eager"},
+        {"offload": "all", "inner": "eager"},
         {"num_streams": 1},
         {"num_streams": 4},
     ]
@@ -659,3 +659,9 @@ def test_num_streams_default_depends_on_the_inner_compiler():
     assert build({"inner": "inductor", "num_streams": 3}).compute_streams == 3  # explicit: warned later
     assert build({"inner": "eager", "num_streams": 1}).compute_streams == 1
     assert build(env={"TRINITY_NUM_STREAMS": "3"}).num_streams == 3
+
+
+def test_parameter_offload_with_inductor_is_refused_up_front():
+    with pytest.raises(ValueError, match=r"'offload': 'all' needs inner='eager'.*inner='inductor'"):
+        build({"offload": "all"})  # inner defaults to "inductor"
+    assert build({"offload": "all", "inner": "eager"}).offload == "all"
