@@ -141,6 +141,8 @@ def plan_model(
         raise ValueError(f"unknown optimizer {optimizer!r}; one of {', '.join(_OPTIMIZER_STATES)}")
     if offload not in ("activations",) + param_residency.MODES:
         raise ValueError(f"unknown offload {offload!r}; one of activations, {', '.join(param_residency.MODES)}")
+    if not budgets:
+        raise ValueError("--budgets: no budget given; e.g. '100%,50%,24GiB,device'")
     parsed = []
     for b in budgets:
         if b == "device":
@@ -267,8 +269,20 @@ def frontier_png(result: PlanResult, path: Path) -> Path:
     return path
 
 
+def _count(n: int) -> str:
+    """A parameter count for people: 6.74B, 124M, 957K, 512."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m offload_compiler plan", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m offload_compiler plan",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument(
         "--model",
         default="gpt2-small",
@@ -277,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
-    parser.add_argument("--optimizer", default="adamw", help="adamw, sgd (momentum) or none")
+    parser.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd (momentum) or none")
     parser.add_argument(
         "--device", default="a100-80gb", help="a device from the table: " + ", ".join(sorted(KNOWN_DEVICES))
     )
@@ -291,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--offload",
         default="activations",
-        help="activations (default), activations+params or all (parameters, gradients, optimizer state on the host)",
+        help="activations, activations+params or all (parameters, gradients, optimizer state on the host)",
     )
     parser.add_argument("--png", default="plan_frontier.png", help="where to draw the frontier ('' for none)")
     parser.add_argument(
@@ -333,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/red] {exc}")
         return 2
     console.print(
-        f"[bold]{result.model}[/bold]: {result.num_params / 1e9:.3g}B parameters ({format_bytes(result.param_bytes)}), "
+        f"[bold]{result.model}[/bold]: {_count(result.num_params)} parameters ({format_bytes(result.param_bytes)}), "
         f"batch {args.batch} x {args.seq_len} tokens, {args.dtype}, optimizer {args.optimizer} "
         f"({format_bytes(result.optimizer_state_bytes)} of state"
         + (", on the host" if result.offload == "all" else "")
