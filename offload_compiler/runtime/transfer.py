@@ -204,14 +204,7 @@ class TransferRuntime:
 
     def evict_wait(self, host: torch.Tensor, src: torch.Tensor) -> None:
         """Make the compute stream wait for ``host``'s D2H copy; after this ``src`` may be freed."""
-        key = host.untyped_storage().data_ptr()
-        if self.faults is not None:
-            self._complete(key)
-            self._fault_tick()
-        with self._lock:
-            pending = self._pending.pop(key, None)
-        if pending is not None:
-            self.streams.wait(pending.event)
+        self._wait(host)
 
     def prefetch(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Allocate a device tensor with ``host``'s layout and start the H2D copy into it."""
@@ -241,7 +234,12 @@ class TransferRuntime:
 
     def prefetch_wait(self, dev: torch.Tensor) -> None:
         """Make the compute stream wait for ``dev``'s H2D copy."""
-        key = dev.untyped_storage().data_ptr()
+        self._wait(dev)
+
+    def _wait(self, dst: torch.Tensor) -> None:
+        """The compute stream waits for the copy into ``dst`` (keyed by its storage); under
+        fault injection, that deferred copy runs now."""
+        key = dst.untyped_storage().data_ptr()
         if self.faults is not None:
             self._complete(key)
             self._fault_tick()
