@@ -266,6 +266,7 @@ class CompileSession:
         if the_plan.evictions:
             insert_transfers.apply(pair, live, the_plan, self.runtime.id, fence_readers=opts.inner == "inductor")
         seconds["insert_transfers"] = time.perf_counter() - t0
+        stream_plans: dict[str, assign_streams.StreamPlan] = {}
         if opts.compute_streams > 1 and model_state:
             # Not combined yet: a side stream's read of a parameter is not ordered before the
             # parameter's release (README, "Limits today").
@@ -349,6 +350,10 @@ class CompileSession:
             runtime_id=self.runtime.id,
             device_name=costs.device.name,
             size_bounds=size_guards.bounds,
+            streams=tuple(
+                (name, p.used_streams, p.num_events, p.seconds, p.single_stream_seconds)
+                for name, p in stream_plans.items()
+            ),
             param_offload=(
                 {
                     "mode": residency.mode,

@@ -51,6 +51,9 @@ class TrinityReport:
             (``peak_bytes_resident_params``), and the working window (``max_window_steps`` nodes, ``window_seconds``); else ``None``.
         not_offloaded: saved activations kept on the device because trinity cannot move them
             (``(forward node, reason)``: a tensor subclass, a collective's buffer, ...).
+        streams: with ``num_streams`` > 1 and ``inner="eager"``: per graph, ``(graph, streams
+            used, events, simulated seconds, simulated seconds on one stream)`` of the applied
+            stream plan (``passes/assign_streams.py``); empty when the pass did not run or was undone.
     """
 
     graph_id: int
@@ -78,6 +81,7 @@ class TrinityReport:
     size_bounds: tuple[tuple[str, int], ...] = ()
     param_offload: dict | None = None
     not_offloaded: tuple[tuple[str, str], ...] = ()
+    streams: tuple[tuple[str, int, int, float, float], ...] = ()
 
     def runtime_stats(self) -> TransferStats | None:
         """Live counters of this pair's transfer runtime (host pool included), or ``None`` once
@@ -117,6 +121,13 @@ class TrinityReport:
                 f"{format_bytes(po['peak_bytes'])} (resident: {format_bytes(po['peak_bytes_resident_params'])}), "
                 f"window up to {po['max_window_steps']} nodes"
             )
+        if self.streams:
+            parts = [
+                f"{g} {used} stream{'s' if used != 1 else ''}, {events} event{'s' if events != 1 else ''} "
+                f"({t * 1e3:.3f} ms simulated, {t1 * 1e3:.3f} ms on one)"
+                for g, used, events, t, t1 in self.streams
+            ]
+            lines.append(f"  streams    {'; '.join(parts)}")
         if self.not_offloaded:
             kept = "; ".join(f"{node!r}: {why}" for node, why in self.not_offloaded)
             lines.append(f"  kept       {len(self.not_offloaded)} saved tensors on the device: {kept}")

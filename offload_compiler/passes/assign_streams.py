@@ -99,14 +99,33 @@ def _storages(node: fx.Node) -> list:
     return out
 
 
+def _ordering_args(node: fx.Node) -> set[fx.Node]:
+    """The ``after`` arguments of the transfer ops (``prefetch``, ``prefetch_wait``,
+    ``evict_wait``): ordering edges for a scheduler, neither read nor written at run time
+    (``runtime/ops.py``). They still hold their tensor alive up to the op."""
+    if node.op != "call_function" or node.target not in TRANSFER_OPS:
+        return set()
+    schema = node.target._schema
+    out = set()
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "after":
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, fx.Node):
+                out.add(value)
+    return out
+
+
 def _mutated_args(node: fx.Node) -> list[fx.Node]:
-    """The argument nodes an op writes (from its schema's alias annotations)."""
+    """The argument nodes an op writes (from its schema's alias annotations; a transfer op's
+    ``after`` ordering edge excluded)."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return []
     out = []
     for i, arg in enumerate(schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if node.target in TRANSFER_OPS and arg.name == "after":
             continue
         value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
         values = value if isinstance(value, (list, tuple)) else [value]
@@ -122,7 +141,8 @@ class GraphAccess:
         nodes: the graph's nodes in program order.
         views: nodes whose outputs all alias their inputs (views, ``getitem``): metadata only,
             they read no data.
-        reads: per node, the storages whose data it reads (empty for views and placeholders).
+        reads: per node, the storages whose data it reads (empty for views and placeholders;
+            a transfer op's ``after`` ordering edge is not a read).
         writes: per node, the storages it writes (its fresh outputs, and mutated arguments).
         allocator: per storage, the node that allocated it (a placeholder for inputs).
         holder: per storage, the first node whose value is a tensor on it (a keep-alive handle).
@@ -169,7 +189,9 @@ class GraphAccess:
                 reads[n] = set()
                 writes[n] = set(k for k in own if n.op == "placeholder")
                 continue
-            reads[n] = in_keys
+            ordering = _ordering_args(n)
+            data = [m for m in n.all_input_nodes if m not in ordering]
+            reads[n] = {k for m in data for k in keys.get(m, ())}
             mutated = {k for m in _mutated_args(n) for k in keys.get(m, ())}
             writes[n] = {k for k in own if k not in in_keys} | mutated
         for k, a in allocator.items():

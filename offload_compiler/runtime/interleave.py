@@ -131,6 +131,18 @@ def run_interleaved(gm: fx.GraphModule, args: list, seed: int) -> Any:
     alloc_stream = {k: stream.get(a, 0) for k, a in access.allocator.items()}
     freed: dict[int, list] = {}  # stream -> [(position, buffer)]
 
+    # The nodes whose values live on each buffer: once every buffer a value lives on is freed
+    # and poisoned, the executor drops the value too (the allocator would reuse that memory), so
+    # its memory use follows the graph's frees; a later read of it gets a poisoned stand-in.
+    from ..passes.assign_streams import _storages
+
+    own = {n: set(_storages(n)) for n in nodes if n.op == "call_function" and n not in access.views}
+    values_on: dict = {}
+    for n, keys in own.items():
+        for k in keys:
+            values_on.setdefault(k, []).append(n)
+    dead: set = set()
+
     def poison_freed(s: int, p: int) -> None:
         rest = []
         for fp, k in freed.get(s, []):
@@ -141,6 +153,10 @@ def run_interleaved(gm: fx.GraphModule, args: list, seed: int) -> Any:
                     value = lookup(holder)
                 if isinstance(value, torch.Tensor):
                     poison_(value)
+                dead.add(k)
+                for m in values_on.get(k, ()):
+                    if own[m] <= dead:
+                        env.pop(m, None)
             else:
                 rest.append((fp, k))
         freed[s] = rest
@@ -164,40 +180,46 @@ def run_interleaved(gm: fx.GraphModule, args: list, seed: int) -> Any:
         head = q[0]
         return not (head.op == "call_function" and head.target is WAIT_EVENT and head.args[2] not in fired)
 
-    while issue or any(queues.values()):
-        actions = (["host"] if issue else []) + [s for s in queues if runnable(s)]
-        if not actions:
-            raise RuntimeError("run_interleaved: deadlock (a wait_event whose event is never recorded)")
-        act = rng.choice(actions)
-        if act == "host":
-            n = issue.popleft()
+    try:
+        while issue or any(queues.values()):
+            actions = (["host"] if issue else []) + [s for s in queues if runnable(s)]
+            if not actions:
+                raise RuntimeError("run_interleaved: deadlock (a wait_event whose event is never recorded)")
+            act = rng.choice(actions)
+            if act == "host":
+                n = issue.popleft()
+                if n not in access.views:
+                    queues.setdefault(stream[n], deque()).append(n)
+                for k in frees_at.get(pos[n], ()):
+                    freed.setdefault(alloc_stream.get(k, 0), []).append((pos[n], k))
+                continue
+            n = queues[act].popleft()
+            if n.op == "call_function" and n.target is RECORD_EVENT:
+                fired.add(n.args[2])
+                continue
+            if n.op == "call_function" and n.target is WAIT_EVENT:
+                continue
             if n not in access.views:
-                queues.setdefault(stream[n], deque()).append(n)
-            for k in frees_at.get(pos[n], ()):
-                freed.setdefault(alloc_stream.get(k, 0), []).append((pos[n], k))
-            continue
-        n = queues[act].popleft()
-        if n.op == "call_function" and n.target is RECORD_EVENT:
-            fired.add(n.args[2])
-            continue
-        if n.op == "call_function" and n.target is WAIT_EVENT:
-            continue
-        if n not in access.views:
-            poison_freed(act, pos[n])
-        if n.op == "output":
-            result.append(fx.node.map_arg(n.args[0], lookup))
-            continue
-        args_ = fx.node.map_arg(n.args, lookup)
-        kwargs = fx.node.map_arg(n.kwargs, lookup)
-        if n.op == "call_function":
-            env[n] = n.target(*args_, **kwargs)
-        elif n.op == "get_attr":
-            target = gm
-            for part in n.target.split("."):
-                target = getattr(target, part)
-            env[n] = target
-        else:
-            raise ValueError(f"run_interleaved: cannot run {n.op} node {n.name!r}")
+                poison_freed(act, pos[n])
+            if n.op == "output":
+                result.append(fx.node.map_arg(n.args[0], lookup))
+                continue
+            args_ = fx.node.map_arg(n.args, lookup)
+            kwargs = fx.node.map_arg(n.kwargs, lookup)
+            if n.op == "call_function":
+                env[n] = n.target(*args_, **kwargs)
+            elif n.op == "get_attr":
+                target = gm
+                for part in n.target.split("."):
+                    target = getattr(target, part)
+                env[n] = target
+            else:
+                raise ValueError(f"run_interleaved: cannot run {n.op} node {n.name!r}")
+    finally:
+        # ``lookup`` refers to itself (a reference cycle through its closure): without this every
+        # node's value would stay alive after the run until the garbage collector ran.
+        env.clear()
+        freed.clear()
     return result[0]
 
 
