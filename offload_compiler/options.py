@@ -212,8 +212,8 @@ class TrinityOptions:
             out in random order; see ``offload_compiler.runtime.transfer.FaultInjection``). With
             ``num_streams > 1`` and ``inner="eager"`` the multi-stream graphs also run under the
             interleaving executor (``offload_compiler.runtime.interleave``).
-        num_streams: compute streams per device (int >= 1), or ``None`` (the default: 1, see
-            :attr:`compute_streams`). 1 turns the
+        num_streams: compute streams per device (int >= 1), or ``None`` (the default: 2 with
+            ``inner="eager"`` and ``offload="activations"``, else 1; see :attr:`compute_streams`). 1 turns the
             ``assign_streams`` pass off; with more, independent nodes may run on side streams
             where the cost model says that shortens the step. Only with ``inner="eager"``: an
             explicit ``num_streams > 1`` with Inductor is switched off with a one-time warning
@@ -303,11 +303,12 @@ class TrinityOptions:
     @property
     def compute_streams(self) -> int:
         """The compute streams the ``assign_streams`` pass may use: ``num_streams``, or when it
-        is ``None``, 1: multi-stream compute is opt-in while its combination with offloaded
-        activations has a known ordering defect (README, "Limits today")."""
+        is ``None``, 2 where the pass can run (``inner="eager"`` with ``offload="activations"``)
+        and 1 elsewhere (Inductor keeps one compute stream; parameter offload is not combined
+        with side streams yet), without a warning."""
         if self.num_streams is not None:
             return self.num_streams
-        return 1
+        return 2 if self.inner == "eager" and self.offload == "activations" else 1
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly view (used in dumps and reports); :meth:`from_user` accepts it back."""

@@ -652,10 +652,11 @@ def test_fuzz_options_either_round_trip_or_name_the_offending_key(options):
     assert isinstance(opts.dump_dir, (Path, type(None)))
 
 
-def test_num_streams_default_is_one_stream():
+def test_num_streams_default_two_where_the_stream_pass_runs():
     assert build().num_streams is None
-    assert build({"inner": "eager"}).compute_streams == 1  # opt-in (README, "Limits today")
-    assert build({"inner": "inductor"}).compute_streams == 1
+    assert build({"inner": "eager"}).compute_streams == 2
+    assert build({"inner": "inductor"}).compute_streams == 1  # Inductor: one compute stream, no warning
+    assert build({"inner": "eager", "offload": "all"}).compute_streams == 1  # not combined yet
     assert build({"inner": "inductor", "num_streams": 3}).compute_streams == 3  # explicit: warned later
     assert build({"inner": "eager", "num_streams": 1}).compute_streams == 1
     assert build(env={"TRINITY_NUM_STREAMS": "3"}).num_streams == 3
