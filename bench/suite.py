@@ -1,9 +1,10 @@
-"""The benchmark suite: every method on every model, then the planner benches, then the report.
+"""The benchmark suite: every method on every model, then trinity and its inner compiler stepped
+alternately (:mod:`bench.step_ratio`, the step-time target), the planner benches, the report.
 
 ``python -m bench`` (``make bench``) runs it: on a machine without a GPU the CPU suite
 (:data:`CPU_SUITE`, the ``cpu`` size preset, under 15 minutes on 2 cores with a warm kernel
 cache); with a GPU the GPU suite (:data:`GPU_SUITE`, the ``gpu`` sizes). Options narrow it down:
-``--models gpt,vit``, ``--methods eager,trinity-50%``, ``--steps``, ``--no-planner``,
+``--models gpt,vit``, ``--methods eager,trinity-50%``, ``--steps``, ``--no-planner``, ``--no-step-ratio``,
 ``--report-only``. Results: ``bench/results/`` (see ``bench/results/README.md``).
 """
 
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-from . import common, peak_vs_budget, plan_7b, planner_time, report
+from . import common, peak_vs_budget, plan_7b, planner_time, report, step_ratio
 from .models import MODEL_NAMES, get_model
 from .runner import RunConfig, run_model, session_info
 
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps (default 2)")
     parser.add_argument("--no-planner", action="store_true", help="skip the planner_time and plan_7b benches")
+    parser.add_argument(
+        "--no-step-ratio", action="store_true", help="skip the side-by-side step-time ratios (bench.step_ratio)"
+    )
     parser.add_argument("--report-only", action="store_true", help="only regenerate README.md and the PNGs")
     args = parser.parse_args(argv)
 
@@ -91,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     config = RunConfig(steps=args.steps, warmup=args.warmup, device=device.type, size=size)
     specs = {m: get_model(m, size) for m in models}
     n_runs = sum(len(v) for v in plan.values())
-    total = n_runs * (config.steps + 1) + (0 if args.no_planner else 2)
+    ratio_models = [m for m in models if "trinity-50%" in plan[m]]
+    do_ratio = not args.no_step_ratio and bool(ratio_models)
+    total = n_runs * (config.steps + 1) + (0 if args.no_planner else 2) + (1 if do_ratio else 0)
     session = session_info(n_runs)
     console.print(
         f"[bold]trinity bench[/bold]: {n_runs} runs ({', '.join(f'{m}: {len(v)}' for m, v in plan.items())}) on "
@@ -121,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         for m in models:
             all_rows[m] = run_model(specs[m], plan[m], config, advance, session=session, on_result=on_result)
         suite_seconds = time.perf_counter() - t_start
+        if do_ratio:
+            advance(0, "step_ratio (trinity 50% and its inner compiler, stepped alternately)")
+            step_ratio.main(["--models", ",".join(ratio_models), "--device", device.type, "--size", size])
+            advance(1, "step_ratio done")
         if not args.no_planner:
             advance(0, "planner_time (12 and 48 layers)")
             planner_time.main([])

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from bench import common, report
+from bench import common, report, step_ratio
 from bench.memory import HOST_SCOPE, measure_peak
 from bench.methods import get_method
 from bench.models import MODEL_NAMES, get_model
@@ -126,6 +126,9 @@ def test_targets_from_rows():
     }
     (t,) = report.cpu_targets(cpu)
     assert t["within_budget"] and t["step_ok"] and t["step_ratio"] == pytest.approx(1.2)
+    # A side-by-side (paired) measurement decides the step target when there is one.
+    (t,) = report.cpu_targets(cpu, {"gpt": {"ratio": 1.35, "ratio_q1": 1.3, "ratio_q3": 1.4}})
+    assert not t["step_ok"] and t["step_ratio"] == 1.35 and t["sequential_step_ratio"] == pytest.approx(1.2)
     gpu = {
         "gpt": [
             _fake("eager", "eager", 110, 1.1),
@@ -139,3 +142,19 @@ def test_targets_from_rows():
     (g,) = report.gpu_targets(gpu)
     assert g["t1"]["met"] and g["t1"]["trinity"] == "trinity-50%" and g["t1"]["best_other"] == "sac-0.5"
     assert g["t2"]["met"] and g["t2"]["trinity"] == "trinity-25%" and g["t2"]["fastest_other"] == "checkpoint"
+
+
+def test_step_ratio_pairs_trinity_with_its_inner_compiler(tmp_path, monkeypatch):
+    """bench.step_ratio steps trinity and aot_eager alternately; the report judges the step target
+    on the paired ratio."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    row = step_ratio.measure_pair("gpt", "trinity-eager-50%", rounds=2, warmup=1, size="tiny")
+    assert row["reference"] == "aot_eager" and row["rounds"] == 2
+    assert row["trinity_median_seconds"] > 0 and row["reference_median_seconds"] > 0
+    assert row["ratio_q1"] <= row["ratio"] <= row["ratio_q3"]
+    with pytest.raises(ValueError, match="no reference"):
+        step_ratio.measure_pair("gpt", "eager", rounds=1, size="tiny")
+    step_ratio.main(["--models", "gpt", "--rounds", "1", "--warmup", "1", "--size", "tiny", "--budget", "60%"])
+    data = json.loads((tmp_path / "step_ratio_cpu.json").read_text())
+    assert data["budget"] == "60%" and [p["trinity"] for p in data["pairs"]] == ["trinity-60%", "trinity-eager-60%"]
+    assert ("gpt", "trinity-60%") in report._paired_ratios(tmp_path, "cpu")
