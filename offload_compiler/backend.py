@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from .options import TrinityOptions
 from .pipeline import CompileSession, TrinityPartitioner
+from .report import record_failure
 from .runtime import ops as _ops  # noqa: F401  (registers the trinity::* ops)
 from .runtime.transfer import FaultInjection, TransferRuntime
 
@@ -104,6 +105,14 @@ def trinity(
         offload_compiler.pipeline.InfeasibleBudgetError: when no plan reaches the budget and
             ``on_infeasible="error"``.
     """
+    try:
+        return _compile(gm, example_inputs, options, mode, unexpected)
+    except BaseException:
+        record_failure()  # last_report() must not describe an earlier graph
+        raise
+
+
+def _compile(gm, example_inputs, options, mode, unexpected):
     if unexpected:
         raise ValueError(
             f"trinity backend: unexpected arguments {sorted(unexpected)}; pass trinity's settings as "

@@ -143,6 +143,7 @@ class _ReportLog:
         self._lock = threading.Lock()
         self._reports: list[TrinityReport] = []
         self._next_id = 0
+        self._last_failed = False
 
     def next_id(self) -> int:
         with self._lock:
@@ -152,6 +153,15 @@ class _ReportLog:
     def append(self, report: TrinityReport) -> None:
         with self._lock:
             self._reports.append(report)
+            self._last_failed = False
+
+    def fail(self) -> None:
+        with self._lock:
+            self._last_failed = True
+
+    def last(self) -> TrinityReport | None:
+        with self._lock:
+            return None if self._last_failed or not self._reports else self._reports[-1]
 
     def all(self) -> tuple[TrinityReport, ...]:
         with self._lock:
@@ -169,10 +179,16 @@ def record_report(report: TrinityReport) -> None:
     _LOG.append(report)
 
 
+def record_failure() -> None:
+    """Note that the most recent compile failed (:func:`last_report` then returns ``None``)."""
+    _LOG.fail()
+
+
 def last_report() -> TrinityReport | None:
-    """The report of the most recently compiled forward/backward pair, or ``None``."""
-    all_ = _LOG.all()
-    return all_[-1] if all_ else None
+    """The report of the most recently compiled forward/backward pair; ``None`` when nothing was
+    compiled yet or when the most recent trinity compile failed (its error was raised; earlier
+    reports stay in :func:`reports`)."""
+    return _LOG.last()
 
 
 def reports() -> tuple[TrinityReport, ...]:

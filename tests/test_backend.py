@@ -383,6 +383,24 @@ def test_activation_checkpointing_inside_the_model():
 # ---------------------------------------------------------------------------------- reports
 
 
+def test_last_report_is_none_after_a_failed_compile():
+    """A failed compile must not leave last_report() describing the previous model."""
+    model, ref, compiled, (x, y) = compile_mlp("50%")
+    compiled(x, y).backward()
+    good = offload_compiler.last_report()
+    assert good is not None
+    torch._dynamo.reset()
+    f = torch.compile(Frozen(), backend="trinity", options={"inner": "eager", "memory_budget": 1024})
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+        f(torch.randn(2, 512, requires_grad=True))
+    assert offload_compiler.last_report() is None
+    assert offload_compiler.reports()[-1] is good  # the earlier report is still listed
+    torch._dynamo.reset()
+    model, ref, compiled, (x, y) = compile_mlp("50%")
+    compiled(x, y).backward()
+    assert offload_compiler.last_report() is offload_compiler.reports()[-1] is not good
+
+
 def test_report_fields_at_a_half_budget():
     before = len(offload_compiler.reports())
     model, ref, compiled, (x, y) = compile_mlp("50%")
