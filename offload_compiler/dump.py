@@ -14,7 +14,10 @@ Layout of ``<dump_dir>/graph_<id>/``::
 
 Each graph is ``GraphModule.print_readable`` with shapes, strides and devices; nodes trinity
 inserted or changed carry a ``# trinity: ...`` comment above them, and with multi-stream compute
-every node carries its stream (``# trinity_stream: 1``; 0 is the caller's stream).
+every node carries its stream (``# trinity_stream: 1``; 0 is the caller's stream). Views
+(``t``, ``view``, ``getitem``...) launch no kernel: they show the stream of the buffer they view,
+which may differ from the stream of the node that reads them (a ``t(weight)`` read on stream 1
+shows stream 0, where the weight was written).
 
     20_assign_streams.forward.py   after assign_streams (num_streams > 1): streams and events
     streams.json                 the stream plans (assignment, events, simulated times)
