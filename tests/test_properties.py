@@ -213,10 +213,12 @@ def test_random_models_match_eager_and_stay_within_budget(program):
         assert interleaved or m.peak_bytes <= r.budget_bytes + PEAK_SLACK_BYTES, (
             f"measured peak {m.peak_bytes} over budget {r.budget_bytes}\n{r.summary()}\n{steps}"
         )
-    for graph, used, events, _, _ in r.streams:
+    for _graph, used, events, _, _ in r.streams:
         assert num_streams > 1 and 1 <= used <= num_streams and (events > 0) == (used > 1), r.streams
     _CASES.append((r.feasible, r.num_evicted, max((used for _, used, *_ in r.streams), default=1)))
-    print(f"case {len(_CASES)}: feasible={r.feasible} evicted={r.num_evicted} budget={budget} faults={faults} streams={num_streams} {steps}")
+    print(
+        f"case {len(_CASES)}: feasible={r.feasible} evicted={r.num_evicted} budget={budget} faults={faults} streams={num_streams} {steps}"
+    )
 
 
 _CASES: list[tuple[bool, int, int]] = []
