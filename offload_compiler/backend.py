@@ -130,7 +130,9 @@ def trinity(
             )
         from .param_offload import make_slots
 
-        session.param_slots = make_slots(example_inputs, opts, opts.host_pool_limit_bytes or default_host_pool_limit())
+        session.param_slots = make_slots(
+            example_inputs, opts, opts.host_pool_limit_bytes or default_host_pool_limit(), gm
+        )
 
     if opts.inner == "inductor":
         from torch._inductor import list_mode_options
