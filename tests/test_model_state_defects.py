@@ -199,3 +199,173 @@ def test_reading_a_released_parameter_raises_where_torch_can_mark_storages():
             read()
     with materialized(model.parameters()):
         assert torch.isfinite(w.sum())
+
+
+# ----------------------------------------------------------------------------- 2: plain optimizer
+
+
+def test_plain_torch_optimizer_with_offload_all_is_refused_at_the_next_forward():
+    ref, cref, model, cm = pair("all")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx, t = batch()
+    with torch.no_grad():
+        cm(idx, t)  # eval before any backward: nothing to refuse
+    cm(idx, t).backward()
+    opt.step()  # sees p.grad None everywhere: a silent no-op
+    opt.zero_grad()
+    with pytest.raises(
+        RuntimeError,
+        match=r"gradients of parameter '[\w.]+' .* reached host memory \(offload='all'\), but no "
+        r"offload_compiler\.CPUOptimizer owns this parameter",
+    ):
+        cm(idx, t)
+    with pytest.raises(RuntimeError, match="no offload_compiler.CPUOptimizer owns"), torch.no_grad():
+        cm(idx, t)
+
+
+def test_owner_check_allows_accumulation_and_eval_and_names_a_missing_parameter():
+    ref, cref, model, cm = pair("all")
+    opt = CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(2):
+        for k in range(3):  # accumulation: forwards with host gradients pending, owned
+            idx, t = batch(seed=10 * step + k)
+            (cm(idx, t) / 3).backward()
+            (cref(idx, t) / 3).backward()
+            with torch.no_grad():  # an eval between micro-steps
+                assert torch.equal(cm(idx, t), cref(idx, t))
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    with materialized(model.parameters()):
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(a, b), name
+    # The optimizer is gone (replaced by nothing): the next forward after a backward refuses.
+    idx, t = batch(seed=3)
+    cm(idx, t).backward()
+    del opt
+    with pytest.raises(RuntimeError, match="no offload_compiler.CPUOptimizer owns"):
+        cm(idx, t)
+
+
+def test_a_parameter_left_out_of_the_cpu_optimizer_is_named():
+    ref, cref, model, cm = pair("all")
+    opt = CPUOptimizer([p for n, p in model.named_parameters() if n != "gpt.ln_f.weight"], lr=1e-2)
+    idx, t = batch()
+    cm(idx, t).backward()
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match=r"gradients of parameter 'gpt\.ln_f\.weight' \(shape \[32\]"):
+        cm(idx, t)
+
+
+# ----------------------------------------------------------------------------- 3: accumulation_steps
+
+
+def masters(model):
+    with materialized(model.parameters()):
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def backward_pair(cfg=None):
+    cfg = cfg or GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    ref, cref, model, cm = pair("all", cfg)
+    return cfg, ref, cref, model, cm
+
+
+def test_overlap_backward_fewer_backwards_than_accumulation_steps_raises_before_any_update():
+    cfg, ref, cref, model, cm = backward_pair()
+    opt = CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, chunk_bytes=1, overlap="backward",
+                       accumulation_steps=3)
+    before = masters(model)
+    for k in range(2):
+        (cm(*batch(cfg, b=2, seed=k)) / 3).backward()
+    with pytest.raises(
+        RuntimeError,
+        match=r"accumulation_steps=3\)\.step\(\): 2 backwards since the last step\(\)/zero_grad\(\), not 3;.*"
+        r"No update of this step was started",
+    ):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(masters(model), before))
+    opt.zero_grad()
+    # A correct step confirms the count (early starts from now on), then a short step again.
+    train_steps(cm, opt, range(1), cfg, micro=3)
+    after_good = masters(model)
+    assert not torch.equal(after_good[0], before[0])
+    (cm(*batch(cfg, b=2, seed=7)) / 3).backward()
+    assert not any(c.enqueued for c in opt._chunks)  # nothing starts before the 3rd backward
+    with pytest.raises(RuntimeError, match=r"1 backward since the last step\(\)/zero_grad\(\), not 3"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(masters(model), after_good))
+
+
+def test_overlap_backward_more_backwards_than_accumulation_steps_raises_in_the_extra_backward():
+    cfg, ref, cref, model, cm = backward_pair()
+    opt = CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, chunk_bytes=1, overlap="backward",
+                       accumulation_steps=2)
+    before = masters(model)
+    # First step: nothing starts early before a step() confirmed the count, so the 3rd backward
+    # is refused with no update done.
+    for k in range(2):
+        (cm(*batch(cfg, b=2, seed=k)) / 2).backward()
+    with pytest.raises(
+        RuntimeError, match=r"accumulation_steps=2\): a 3rd backward .*No update of this step has started"
+    ):
+        cm(*batch(cfg, b=2, seed=2)).backward()
+    assert all(torch.equal(a, b) for a, b in zip(masters(model), before))
+    opt.zero_grad()
+    train_steps(cm, opt, range(1), cfg, micro=2)  # confirms 2
+    # Now updates start in the 2nd backward; a 3rd backward says that this step's update is wrong.
+    for k in range(2):
+        (cm(*batch(cfg, b=2, seed=20 + k)) / 2).backward()
+    assert all(c.enqueued for c in opt._chunks)
+    with pytest.raises(
+        RuntimeError,
+        match=r"a 3rd backward .* The updates of \d+ of \d+ parameter chunks already started after the 2nd "
+        r"backward, with the gradients of 2 backwards: this step's update is wrong",
+    ):
+        cm(*batch(cfg, b=2, seed=22)).backward()
+    with pytest.raises(RuntimeError, match="3 backwards .* not 2"):
+        opt.step()
+
+
+class Twice(nn.Module):
+    """``lin`` is read on both sides of a graph break: two compiled graphs, two gradients of its
+    parameters in one backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        torch._dynamo.graph_break()
+        h = torch.tanh(self.lin(h))
+        return self.out(h).square().mean()
+
+
+def test_overlap_backward_parameter_read_by_two_graphs_is_not_updated_early():
+    torch.manual_seed(0)
+    ref = Twice()
+    model = copy.deepcopy(ref)
+    cref = torch.compile(ref, backend="aot_eager")
+    cm = torch.compile(model, backend="trinity", options={"offload": "all", "inner": "eager"})
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, chunk_bytes=1, overlap="backward")
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x = torch.randn(8, 16, generator=g)
+        cref(x).backward()
+        cm(x).backward()
+        if step > 0:  # after the confirming first step: 'out' starts early, 'lin' waits for step()
+            started = {n for n, p in model.named_parameters() if opt._chunk_of[p._trinity_slot.id].enqueued}
+            assert started == {"out.weight", "out.bias"}, started
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    with materialized(model.parameters()):
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(a, b), name

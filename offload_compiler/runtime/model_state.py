@@ -35,6 +35,11 @@ Between steps, with ``offload="all"``, a parameter holds no device storage. What
   (CPU builds of torch) the storage is simply empty and such a read is undefined (README, "Limits
   today").
 
+With ``offload="all"`` the parameter's owner is the :class:`~.cpu_optim.CPUOptimizer` given the
+parameter (attribute ``_trinity_optimizer``, a weak reference): it is told of every gradient that
+reaches the host (:meth:`ParamSlot.add_grad`), and :meth:`ParamSlot.check_owner` refuses the next
+forward when gradients reached the host but no ``CPUOptimizer`` owns the parameter (a plain
+``torch.optim`` optimizer would see ``p.grad is None`` and silently update nothing).
 """
 
 from __future__ import annotations
@@ -59,9 +64,11 @@ __all__ = [
     "install_state_dict_hooks",
     "install_module_hooks",
     "SLOT_ATTR",
+    "OWNER_ATTR",
 ]
 
 SLOT_ATTR = "_trinity_slot"
+OWNER_ATTR = "_trinity_optimizer"  # on the parameter: weakref.ref to the CPUOptimizer that owns it
 
 # Where torch has them (CUDA builds), these make any access to a released storage's data raise
 # RuntimeError with our message instead of reading freed memory (the mechanism cudagraph trees
@@ -114,7 +121,6 @@ class ParamSlot:
         self.grad: torch.Tensor | None = None  # host gradient (offload="all"), allocated by enable_host_grad
         self.grad_valid = False  # False after zero_grad: the next add_grad copies
         self.num_grads = 0  # gradients accumulated since zero_grad (micro-steps)
-        self.on_grad = None  # called with the slot after each add_grad (CPUOptimizer, overlap="backward")
         self.name: str | None = None  # the parameter's name in its model, when the backend found it
         self.resident = True
         self.ready = threading.Event()  # cleared while an optimizer update of the master is pending
@@ -172,6 +178,30 @@ class ParamSlot:
             "model.load_state_dict() work directly."
         )
 
+    def owner(self):
+        """The live :class:`~.cpu_optim.CPUOptimizer` that owns this parameter, or ``None``."""
+        p = self.param_ref()
+        ref = getattr(p, OWNER_ATTR, None) if p is not None else None
+        return ref() if ref is not None else None
+
+    def check_owner(self) -> None:
+        """Refuse to go on when gradients reached the host but no ``CPUOptimizer`` owns the
+        parameter (called by ``trinity::param_fetch``, i.e. at the next forward).
+
+        Raises:
+            RuntimeError: naming the parameter, when it has a host gradient since the last
+                ``zero_grad`` and no live ``CPUOptimizer`` was given it.
+        """
+        if self.grad is None or not self.grad_valid or self.owner() is not None:
+            return
+        raise RuntimeError(
+            f"trinity: gradients of {self.label()} reached host memory (offload='all'), but no "
+            "offload_compiler.CPUOptimizer owns this parameter: with offload='all' p.grad stays None, so a "
+            "torch.optim optimizer updates nothing. Use offload_compiler.CPUOptimizer(model.parameters(), "
+            "torch.optim.AdamW, lr=...) (it steps the host copies), or offload='activations+params' to keep "
+            "your own optimizer."
+        )
+
     def wait_ready(self) -> None:
         """Block until no optimizer update of the master is pending; re-raise its error."""
         self.ready.wait()
@@ -208,7 +238,14 @@ class ParamSlot:
             self.num_releases += 1
 
     def add_grad(self, g: torch.Tensor) -> None:
-        """Accumulate the device gradient ``g`` (same shape as the parameter) into the host one."""
+        """Accumulate the device gradient ``g`` (same shape as the parameter) into the host one,
+        then tell the owning ``CPUOptimizer`` (if any) that it arrived.
+
+        Raises:
+            RuntimeError: when the slot has no host gradient, when a pending update failed, or
+                from the owner (``CPUOptimizer(overlap="backward")`` seeing more backwards than
+                ``accumulation_steps``).
+        """
         if self.grad is None:
             raise RuntimeError(f"trinity: slot {self.id} has no host gradient (offload='all' allocates it)")
         self.wait_ready()
@@ -219,8 +256,9 @@ class ParamSlot:
             self.grad.copy_(g)
             self.grad_valid = True
             self.num_grads = 1
-        if self.on_grad is not None:
-            self.on_grad(self)
+        owner = self.owner()
+        if owner is not None:
+            owner._grad_arrived(self)  # counts backwards; overlap="backward" may start an update
 
 
 def get_slot(slot_id: int) -> ParamSlot:
