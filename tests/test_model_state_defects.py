@@ -369,3 +369,87 @@ def test_overlap_backward_parameter_read_by_two_graphs_is_not_updated_early():
     with materialized(model.parameters()):
         for (name, a), b in zip(model.named_parameters(), ref.parameters()):
             assert torch.equal(a, b), name
+
+
+# ----------------------------------------------------------------------------- 4: resume
+
+
+RESUME_CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)
+
+
+def fresh(seed):
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    model = GPTLoss(RESUME_CFG)
+    cm = torch.compile(model, backend="trinity", options={"offload": "all", "inner": "eager", "memory_budget": None})
+    return model, cm
+
+
+def make_opt(model):
+    return CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-3, weight_decay=0.1, chunk_bytes=8 * 1024)
+
+
+def run(cm, opt, steps, losses):
+    for step in steps:
+        for k in range(2):
+            idx, t = batch(RESUME_CFG, b=2, seed=2 * step + k)
+            loss = cm(idx, t) / 2
+            losses.append(loss.detach())
+            loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("load_at", ["before_compile", "after_first_forward"])
+def test_resume_from_checkpoint_matches_an_uninterrupted_run(load_at):
+    model, cm = fresh(0)
+    opt = make_opt(model)
+    losses = []
+    run(cm, opt, range(6), losses)
+    uninterrupted = (masters(model), opt.state_dict(), losses)
+
+    model, cm = fresh(0)
+    opt = make_opt(model)
+    losses = []
+    run(cm, opt, range(3), losses)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)  # no materialized()
+    del model, cm, opt
+    losses = []
+
+    model, cm = fresh(123)  # other initial values: everything must come from the checkpoint
+    opt = make_opt(model)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    if load_at == "after_first_forward":
+        with torch.no_grad():
+            cm(*batch(RESUME_CFG, b=2, seed=99))  # compiles: parameters are offloaded now
+        assert storage_bytes(model) == 0
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])  # before any step()
+    assert opt.state_dict()["state"].keys() == ckpt["opt"]["state"].keys()
+    run(cm, opt, range(3, 6), losses)
+
+    want_params, want_state, want_losses = uninterrupted
+    assert len(losses) == len(want_losses) - 6 == 6
+    for i, (a, b) in enumerate(zip(losses, want_losses[6:])):
+        assert torch.equal(a, b), f"loss {i} after the resume differs"
+    for (name, _), a, b in zip(model.named_parameters(), masters(model), want_params):
+        assert torch.equal(a, b), name
+    state = opt.state_dict()
+    assert state["state"].keys() == want_state["state"].keys()
+    for i, st in want_state["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state["state"][i][key], st[key]), (i, key)
+
+
+def test_load_state_dict_before_any_step_checks_the_groups():
+    model = GPTLoss(SMALL)
+    opt = make_opt(model)
+    assert opt.state_dict()["state"] == {}
+    n = len(list(model.parameters()))
+    with pytest.raises(ValueError, match="parameter groups do not match"):
+        opt.load_state_dict({"state": {}, "param_groups": [{"lr": 1.0, "params": list(range(n - 1))}]})
+    with pytest.raises(ValueError, match=f"names parameter {n}"):
+        opt.load_state_dict({"state": {n: {}}, "param_groups": [{**opt.param_groups[0], "params": list(range(n))}]})

@@ -38,6 +38,10 @@ attribute ``_trinity_optimizer``); the host gradient's arrival is reported to th
 forward refuses to run when a parameter has host gradients but no owner (a plain ``torch.optim``
 optimizer would silently update nothing; see ``ParamSlot.check_owner``).
 
+``load_state_dict()`` works before the first ``step()`` (restoring a checkpoint before training,
+even before the model is compiled): the state is kept and loaded into the inner optimizers, by
+their own ``load_state_dict``, when they are built at the first ``step()``.
+
 """
 
 from __future__ import annotations
@@ -147,6 +151,8 @@ class CPUOptimizer:
         self._pending = 0
         self._cv = threading.Condition()
         self._error: BaseException | None = None
+        # A state loaded before the inner optimizers exist (global index -> state), see load_state_dict.
+        self._pending_state: dict[int, Any] | None = None
         # overlap="backward" bookkeeping (see the module docstring).
         self._backwards = 0  # backwards that delivered a gradient since the last step()/zero_grad()
         self._task: int | None = None  # autograd graph task of the current backward
@@ -209,6 +215,9 @@ class CPUOptimizer:
         close()
         self._chunks = chunks
         self._chunk_of = {s.id: c for c in chunks for s in c.slots}
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self._load_into_chunks(state)
         return chunks
 
     def _grad_arrived(self, slot: ParamSlot) -> None:
@@ -418,15 +427,28 @@ class CPUOptimizer:
             [shadow_of[i] for i in range(len(self._params))], max_norm, norm_type=norm_type, **kwargs
         )
 
+    def _can_build(self) -> bool:
+        """Whether every parameter is offloaded already (the inner optimizers can be built)."""
+        try:
+            self._slots()
+        except ValueError:
+            return False
+        return True
+
     def state_dict(self) -> dict[str, Any]:
         """The state in ``torch.optim.Optimizer.state_dict()`` form (parameters numbered in the
-        order given), after pending updates; tensors are the live host state."""
+        order given), after pending updates; tensors are the live host state. Before the first
+        ``step()`` (the inner optimizers not built yet): the state loaded by
+        :meth:`load_state_dict`, if any, else no state."""
         self.synchronize()
         state: dict[int, Any] = {}
-        for chunk in self._build():
-            sd = chunk.optimizer.state_dict()
-            for local, st in sd["state"].items():
-                state[chunk.indices[local]] = st
+        if self._chunks is None and not self._can_build():
+            state = dict(self._pending_state or {})
+        else:
+            for chunk in self._build():
+                sd = chunk.optimizer.state_dict()
+                for local, st in sd["state"].items():
+                    state[chunk.indices[local]] = st
         groups = []
         for g, group in enumerate(self.param_groups):
             groups.append({**group, "params": [i for i, gi in enumerate(self._group_of) if gi == g]})
@@ -435,8 +457,14 @@ class CPUOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` (of an optimizer over the same parameters, in the same order).
 
+        Works at any time, also right after construction (before the model is compiled or the
+        first ``step()``): the group options apply at once, and the per-parameter state is loaded
+        into the inner optimizers (by their own ``load_state_dict``, so with their casts) as
+        soon as they exist; until then :meth:`state_dict` returns it.
+
         Raises:
-            ValueError: when the number of groups or parameters differs.
+            ValueError: when the number of groups or parameters differs, or the state names a
+                parameter index the groups do not hold.
         """
         self.synchronize()
         groups = state_dict["param_groups"]
@@ -448,14 +476,27 @@ class CPUOptimizer:
         for g, group in enumerate(groups):
             for k, i in enumerate(group["params"]):
                 position[i] = [j for j, gi in enumerate(self._group_of) if gi == g][k]
+        state = {}
+        for saved_i, st in state_dict["state"].items():
+            if int(saved_i) not in position:
+                raise ValueError(
+                    f"CPUOptimizer.load_state_dict: the state names parameter {saved_i!r}, which no group holds"
+                )
+            state[position[int(saved_i)]] = st
         for g, group in enumerate(groups):
             self.param_groups[g] = {k: v for k, v in group.items() if k != "params"}
-        for chunk in self._build():
-            local_state = {}
-            for saved_i, st in state_dict["state"].items():
-                glob = position[int(saved_i)]
-                if glob in chunk.indices:
-                    local_state[chunk.indices.index(glob)] = st
+        if self._chunks is None and not self._can_build():
+            self._pending_state = state  # loaded by _build
+            return
+        self._pending_state = None
+        self._build()
+        self._load_into_chunks(state)
+
+    def _load_into_chunks(self, state: dict[int, Any]) -> None:
+        """Load ``state`` (global parameter index -> state) into the inner optimizers, replacing
+        theirs, with ``self.param_groups``' options."""
+        for chunk in self._chunks or ():
+            local_state = {chunk.indices.index(glob): st for glob, st in state.items() if glob in chunk.indices}
             inner_groups = []
             start = 0
             for ig, g in zip(chunk.optimizer.param_groups, chunk.groups):
