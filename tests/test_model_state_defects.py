@@ -453,3 +453,46 @@ def test_load_state_dict_before_any_step_checks_the_groups():
         opt.load_state_dict({"state": {}, "param_groups": [{"lr": 1.0, "params": list(range(n - 1))}]})
     with pytest.raises(ValueError, match=f"names parameter {n}"):
         opt.load_state_dict({"state": {n: {}}, "param_groups": [{**opt.param_groups[0], "params": list(range(n))}]})
+
+
+# ----------------------------------------------------------------------------- 5: compile meanwhile
+
+
+class GatedAdamW(torch.optim.AdamW):
+    """AdamW whose update waits (at most 2 s) until a compile is in progress somewhere in the
+    process: without the fix, it then runs while torch.compiler.is_compiling() is set."""
+
+    def step(self, closure=None):
+        deadline = time.monotonic() + 2.0
+        while not torch.compiler.is_compiling() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return super().step(closure)
+
+
+def test_a_compile_on_the_main_thread_does_not_change_the_update():
+    ref, cref, model, cm = pair("all")
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = CPUOptimizer(model.parameters(), GatedAdamW, lr=1e-2)  # one chunk
+    idx, t = batch()
+    cref(idx, t).backward()
+    cm(idx, t).backward()
+    opt_ref.step()
+    updated = threading.Event()
+
+    def backend(gm, example_inputs):
+        # The compile is in progress here; give the worker's update (at most 2 s) to finish.
+        deadline = time.monotonic() + 2.0
+        while not all(p._trinity_slot.ready.is_set() for p in model.parameters()) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        updated.set()
+        return gm.forward
+
+    def unrelated(x):
+        return torch.sin(x) * 2
+
+    opt.step()  # returns at once; the worker waits for a compile to start
+    assert torch.equal(torch.compile(unrelated, backend=backend)(torch.ones(3)), torch.sin(torch.ones(3)) * 2)
+    assert updated.is_set()
+    with materialized(model.parameters()):
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(a, b), f"{name}: the update differs from eager AdamW's"

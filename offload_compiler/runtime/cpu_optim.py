@@ -42,10 +42,22 @@ optimizer would silently update nothing; see ``ParamSlot.check_owner``).
 even before the model is compiled): the state is kept and loaded into the inner optimizers, by
 their own ``load_state_dict``, when they are built at the first ``step()``.
 
+Compiles on other threads: ``torch.compiler.is_compiling()`` is one process-wide flag, set for the
+whole of a Dynamo compile (``torch.compiler._compile_session_context``), and ``torch.optim`` reads
+it (``optimizer._get_value`` keeps Adam's step count a tensor, so the bias corrections are
+computed in float32 instead of Python floats, changing the update's last bits). The worker
+therefore holds Dynamo's compile lock (``torch._dynamo.convert_frame.compile_lock``, inside which
+that flag is set) while it runs an update: a compile on the main thread waits for the chunk in
+progress, and a chunk waits for a compile in progress.
+
+The user's loop stays ``loss.backward(); opt.step(); opt.zero_grad()``; gradient clipping is
+``opt.clip_grad_norm_(max_norm)`` (``torch.nn.utils.clip_grad_norm_`` on the host gradients:
+with ``"all"`` the device parameters' ``.grad`` stays ``None``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import weakref
@@ -55,6 +67,16 @@ from typing import Any
 import torch
 
 from .model_state import OWNER_ATTR, ParamSlot, slot_of
+
+
+def _dynamo_compile_lock():
+    """Dynamo's compile lock (held while ``torch.compiler.is_compiling()`` is set by a compile),
+    or a no-op context when this torch has none."""
+    try:
+        from torch._dynamo.convert_frame import compile_lock
+    except Exception:  # noqa: BLE001  (another torch)
+        return contextlib.nullcontext()
+    return compile_lock
 
 
 def _ordinal(n: int) -> str:
@@ -151,6 +173,7 @@ class CPUOptimizer:
         self._pending = 0
         self._cv = threading.Condition()
         self._error: BaseException | None = None
+        self._compile_lock = _dynamo_compile_lock()
         # A state loaded before the inner optimizers exist (global index -> state), see load_state_dict.
         self._pending_state: dict[int, Any] | None = None
         # overlap="backward" bookkeeping (see the module docstring).
@@ -314,7 +337,10 @@ class CPUOptimizer:
                 return
             try:
                 if self._error is None:
-                    chunk.optimizer.step()
+                    # No Dynamo compile may run meanwhile: it sets the process-wide
+                    # is_compiling() flag that torch.optim reads (module docstring).
+                    with self._compile_lock:
+                        chunk.optimizer.step()
             except BaseException as exc:  # noqa: BLE001  (re-raised on the main thread)
                 self._error = exc
                 for s in chunk.slots:
