@@ -17,6 +17,7 @@ import copy
 import io
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -247,6 +248,30 @@ def test_owner_check_allows_accumulation_and_eval_and_names_a_missing_parameter(
     del opt
     with pytest.raises(RuntimeError, match="no offload_compiler.CPUOptimizer owns"):
         cm(idx, t)
+
+
+def test_an_optimizer_dropped_with_updates_pending_finishes_them():
+    """The worker keeps a CPUOptimizer alive while it has queued updates (only then): dropping it
+    right after step() neither loses nor hangs the pending updates."""
+    import gc
+
+    from .test_model_state import SlowAdamW
+
+    ref, cref, model, cm = pair("all")
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = CPUOptimizer(model.parameters(), SlowAdamW, lr=1e-2, chunk_bytes=1)  # one chunk per parameter
+    idx, t = batch()
+    cref(idx, t).backward()
+    cm(idx, t).backward()
+    opt_ref.step()
+    opt.step()
+    opt.zero_grad()
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert torch.equal(cm(idx, t), cref(idx, t))  # waits for every update, no owner needed
+    gc.collect()
+    assert gone() is None  # collected once idle
 
 
 def test_a_parameter_left_out_of_the_cpu_optimizer_is_named():

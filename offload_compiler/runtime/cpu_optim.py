@@ -68,6 +68,8 @@ import torch
 
 from .model_state import OWNER_ATTR, ParamSlot, slot_of
 
+__all__ = ["CPUOptimizer"]
+
 
 def _dynamo_compile_lock():
     """Dynamo's compile lock (held while ``torch.compiler.is_compiling()`` is set by a compile),
@@ -80,9 +82,8 @@ def _dynamo_compile_lock():
 
 
 def _ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``21st`` ..."""
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
-
-__all__ = ["CPUOptimizer"]
 
 
 class _Chunk:
@@ -314,27 +315,27 @@ class CPUOptimizer:
         with self._cv:
             self._pending += len(chunks)
         for chunk in chunks:
-            self._queue.put(chunk)
+            self._queue.put((self, chunk))  # the queue keeps the optimizer alive while work is pending
 
     # ------------------------------------------------------------------ the worker
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
-            # The thread holds the optimizer only weakly (while it waits for work), so a dropped
-            # CPUOptimizer is collected (its parameters then have no owner); a finalizer stops it.
+            # The thread holds the optimizer only while it has work for it (the queued items), so
+            # a dropped CPUOptimizer is collected once idle (its parameters then have no owner);
+            # the finalizer then stops the thread.
             self._worker = threading.Thread(
-                target=CPUOptimizer._run, args=(weakref.ref(self), self._queue), name="trinity-cpu-optimizer",
-                daemon=True,
+                target=CPUOptimizer._run, args=(self._queue,), name="trinity-cpu-optimizer", daemon=True
             )
             self._worker.start()
             weakref.finalize(self, self._queue.put, None)
 
     @staticmethod
-    def _run(ref: weakref.ref, work: queue.Queue) -> None:
+    def _run(work: queue.Queue) -> None:
         while True:
-            chunk = work.get()
-            self = ref() if chunk is not None else None
-            if self is None:
+            item = work.get()
+            if item is None:
                 return
+            self, chunk = item
             try:
                 if self._error is None:
                     # No Dynamo compile may run meanwhile: it sets the process-wide
@@ -351,7 +352,7 @@ class CPUOptimizer:
                 with self._cv:
                     self._pending -= 1
                     self._cv.notify_all()
-            del self, chunk
+            del self, chunk, item
 
     def synchronize(self) -> None:
         """Wait until every update handed to the worker is done.
