@@ -301,8 +301,9 @@ def backward_pair(cfg=None):
 
 def test_overlap_backward_fewer_backwards_than_accumulation_steps_raises_before_any_update():
     cfg, ref, cref, model, cm = backward_pair()
-    opt = CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, chunk_bytes=1, overlap="backward",
-                       accumulation_steps=3)
+    opt = CPUOptimizer(
+        model.parameters(), torch.optim.AdamW, lr=1e-2, chunk_bytes=1, overlap="backward", accumulation_steps=3
+    )
     before = masters(model)
     for k in range(2):
         (cm(*batch(cfg, b=2, seed=k)) / 3).backward()
@@ -327,8 +328,9 @@ def test_overlap_backward_fewer_backwards_than_accumulation_steps_raises_before_
 
 def test_overlap_backward_more_backwards_than_accumulation_steps_raises_in_the_extra_backward():
     cfg, ref, cref, model, cm = backward_pair()
-    opt = CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, chunk_bytes=1, overlap="backward",
-                       accumulation_steps=2)
+    opt = CPUOptimizer(
+        model.parameters(), torch.optim.AdamW, lr=1e-2, chunk_bytes=1, overlap="backward", accumulation_steps=2
+    )
     before = masters(model)
     # First step: nothing starts early before a step() confirmed the count, so the 3rd backward
     # is refused with no update done.
