@@ -139,7 +139,9 @@ def _compile(gm, example_inputs, options, mode, unexpected):
             )
         from .param_offload import make_slots
 
-        session.param_slots = make_slots(example_inputs, opts, opts.host_pool_limit_bytes or default_host_pool_limit())
+        session.param_slots = make_slots(
+            example_inputs, opts, opts.host_pool_limit_bytes or default_host_pool_limit(), gm
+        )
 
     if opts.inner == "inductor":
         from torch._inductor import list_mode_options

@@ -4,7 +4,9 @@ residency rewrite, and the inference graph's.
 * :func:`make_slots` (compile time): a host master copy for every ``nn.Parameter`` among the
   graph's inputs (and a host gradient with ``offload="all"``), after checking that the host has
   room for them: a run that would exceed ``host_pool_limit_bytes`` fails here, naming the bytes
-  needed.
+  needed. It then finds the modules that own those parameters (:func:`owning_roots`) and
+  installs :func:`~.runtime.model_state.install_module_hooks` on them, so that ``state_dict()``,
+  ``load_state_dict()`` and eager forwards work or fail clearly between steps.
 * the training pair's residency is planned in :func:`offload_compiler.pipeline.plan_pair` and
   applied by the compile session (:mod:`.passes.param_residency`).
 * :func:`rewrite_inference`: the same on a forward-only graph (``torch.no_grad()`` steps): fetch
@@ -24,18 +26,89 @@ from .graph_pair import GraphPair
 from .options import TrinityOptions, format_bytes
 from .passes import cost_model, liveness, param_residency
 from .runtime import param_ops as _param_ops  # noqa: F401  (registers trinity::param_*)
-from .runtime.model_state import ParamSlot, ensure_slot
+from .runtime.model_state import ParamSlot, ensure_slot, install_module_hooks, slot_of
 from .runtime.pool import HostPool
 
-__all__ = ["HostMemoryError", "make_slots", "rewrite_inference"]
+__all__ = ["HostMemoryError", "make_slots", "owning_roots", "rewrite_inference"]
 
 
 class HostMemoryError(ValueError):
     """The model state to offload does not fit the host memory trinity may use."""
 
 
-def make_slots(example_inputs: Sequence[Any], options: TrinityOptions, host_limit: int) -> dict[int, ParamSlot]:
+def owning_roots(gm: fx.GraphModule, positions: Sequence[int]) -> list[torch.nn.Module]:
+    """The outermost ``nn.Module`` on the path from the compiled frame to each parameter input.
+
+    Dynamo records, per graph input, where the frame found it (``node.meta["grapharg"].source``:
+    ``L['self']._modules['gpt']._modules['tok']._parameters['weight']``, a chain of sources
+    whose base is a frame local or global). Walking each chain from its base, the first value
+    that is an ``nn.Module`` (resolved with the Dynamo output graph's
+    ``resolve_source_value``, i.e. in the frame being compiled) is returned: for
+    ``torch.compile(model)`` the model, for a compiled function using a global module that
+    module. Inputs reached otherwise (a list of tensors passed in) give nothing.
+
+    Returns ``[]`` when called outside a Dynamo compile (no current instruction translator) or
+    with a Dynamo that lacks this machinery: the hooks are a convenience, reads of released
+    parameters still fail clearly (see :mod:`.runtime.model_state`).
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        output = InstructionTranslator.current_tx().output
+    except Exception:  # noqa: BLE001  (not inside a Dynamo compile, or another torch)
+        return []
+
+    def resolve(source):
+        if hasattr(output, "resolve_source_value"):
+            return output.resolve_source_value(source)
+        root_tx = output.root_tx
+        return source.get_value({"G": root_tx.f_globals, "L": root_tx.f_locals}, {}, {})
+
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    roots: dict[int, torch.nn.Module] = {}
+    for i in positions:
+        if i >= len(placeholders):
+            continue
+        source = getattr(placeholders[i].meta.get("grapharg"), "source", None)
+        chain = []
+        while source is not None:
+            chain.append(source)
+            source = getattr(source, "base", None)
+        for src in reversed(chain):  # from the frame's local or global outwards
+            try:
+                value = resolve(src)
+            except Exception:  # noqa: BLE001  (a source kind that cannot be evaluated here)
+                continue
+            if isinstance(value, torch.nn.Module):
+                roots.setdefault(id(value), value)
+                break
+    return list(roots.values())
+
+
+def _hook_owners(gm: fx.GraphModule | None, slots: dict[int, ParamSlot]) -> None:
+    """Name the slots and install the module hooks on the modules owning offloaded parameters."""
+    if gm is None or not slots:
+        return
+    for root in owning_roots(gm, sorted(slots)):
+        for name, p in root.named_parameters(remove_duplicate=False):
+            slot = slot_of(p)
+            # The first name found, or a more qualified one of the same path (a graph after a
+            # graph break may be compiled from a submodule's frame first).
+            if slot is not None and (slot.name is None or name.endswith("." + slot.name)):
+                slot.name = name
+        for mod in root.modules():
+            if any(slot_of(p) is not None for p in mod._parameters.values() if p is not None):
+                install_module_hooks(mod)
+
+
+def make_slots(
+    example_inputs: Sequence[Any], options: TrinityOptions, host_limit: int, gm: fx.GraphModule | None = None
+) -> dict[int, ParamSlot]:
     """Slots for the parameters among ``example_inputs`` (graph input position -> slot).
+
+    With ``gm`` (the Dynamo graph being compiled), the modules owning these parameters get
+    :func:`~.runtime.model_state.install_module_hooks` (see :func:`owning_roots`) and the slots
+    their parameter names.
 
     Raises:
         HostMemoryError: when the master copies (and host gradients with ``"all"``) of the
@@ -67,6 +140,7 @@ def make_slots(example_inputs: Sequence[Any], options: TrinityOptions, host_limi
         if mode == "all" and p.requires_grad:
             slot.enable_host_grad()
         slots[i] = slot
+    _hook_owners(gm, slots)
     return slots
 
 

@@ -15,11 +15,40 @@ last chunks are still being updated. ``state_dict()``, ``load_state_dict()``,
 ``synchronize()`` wait for the worker.
 
 With ``overlap="backward"`` the update of a chunk starts during the backward, as soon as every
-gradient of the chunk is final (after ``accumulation_steps`` backwards since ``zero_grad``): it
+gradient of the chunk is final (in the ``accumulation_steps``-th backward since ``zero_grad``): it
 overlaps the backward of the layers still to come. The graph sends a parameter's gradient to the
 host only after the parameter's last backward reader, so no later part of the backward reads a
 parameter being updated. Clipping by total norm needs every gradient first, so it is refused in
 that mode. ``step()`` then starts what is left (chunks with a parameter that got no gradient).
+Backwards are counted per step (a backward is one autograd graph task,
+``torch._C._current_graph_task_id()``, that delivers a gradient to this optimizer):
+
+* fewer than ``accumulation_steps`` backwards before ``step()``: ``step()`` raises, and no update
+  of the step has started (early starts happen only in the ``accumulation_steps``-th backward);
+* more: the first extra backward raises as soon as its first gradient arrives; if updates of the
+  step had already started (after the ``accumulation_steps``-th backward), the error says that
+  this step's update is wrong;
+* updates start early only after one ``step()`` has confirmed the count (the first step of a run
+  never starts early), and never for a chunk with a parameter that received two gradients in one
+  backward (a parameter read by two compiled graphs, e.g. across a graph break): such chunks
+  start at ``step()``. If that only shows after the chunk started, the backward raises.
+
+Ownership: each parameter given to a ``CPUOptimizer`` points back to it (a weak reference in the
+attribute ``_trinity_optimizer``); the host gradient's arrival is reported to the owner, and a
+forward refuses to run when a parameter has host gradients but no owner (a plain ``torch.optim``
+optimizer would silently update nothing; see ``ParamSlot.check_owner``).
+
+``load_state_dict()`` works before the first ``step()`` (restoring a checkpoint before training,
+even before the model is compiled): the state is kept and loaded into the inner optimizers, by
+their own ``load_state_dict``, when they are built at the first ``step()``.
+
+Compiles on other threads: ``torch.compiler.is_compiling()`` is one process-wide flag, set for the
+whole of a Dynamo compile (``torch.compiler._compile_session_context``), and ``torch.optim`` reads
+it (``optimizer._get_value`` keeps Adam's step count a tensor, so the bias corrections are
+computed in float32 instead of Python floats, changing the update's last bits). The worker
+therefore holds Dynamo's compile lock (``torch._dynamo.convert_frame.compile_lock``, inside which
+that flag is set) while it runs an update: a compile on the main thread waits for the chunk in
+progress, and a chunk waits for a compile in progress.
 
 The user's loop stays ``loss.backward(); opt.step(); opt.zero_grad()``; gradient clipping is
 ``opt.clip_grad_norm_(max_norm)`` (``torch.nn.utils.clip_grad_norm_`` on the host gradients:
@@ -28,16 +57,33 @@ with ``"all"`` the device parameters' ``.grad`` stays ``None``).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from .model_state import ParamSlot, slot_of
+from .model_state import OWNER_ATTR, ParamSlot, slot_of
 
 __all__ = ["CPUOptimizer"]
+
+
+def _dynamo_compile_lock():
+    """Dynamo's compile lock (held while ``torch.compiler.is_compiling()`` is set by a compile),
+    or a no-op context when this torch has none."""
+    try:
+        from torch._dynamo.convert_frame import compile_lock
+    except Exception:  # noqa: BLE001  (another torch)
+        return contextlib.nullcontext()
+    return compile_lock
+
+
+def _ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``21st`` ..."""
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 class _Chunk:
@@ -49,6 +95,7 @@ class _Chunk:
         self.needs: set[int] = set()  # slot ids whose gradient the chunk's update waits for
         self.done: set[int] = set()  # of those, the ones final for this step
         self.enqueued = False  # handed to the worker this step
+        self.early = True  # overlap="backward": may start during the backward (no doubled gradients)
 
 
 class CPUOptimizer:
@@ -65,12 +112,15 @@ class CPUOptimizer:
         overlap: ``"forward"`` (updates start at ``step()`` and overlap the next forward) or
             ``"backward"`` (updates start during the last backward of the step; no clipping).
         accumulation_steps: with ``overlap="backward"``, backwards per optimizer step (gradient
-            accumulation micro-steps).
+            accumulation micro-steps); a step with another number of backwards raises (see the
+            module docstring).
         **defaults: the optimizer's options (``lr``, ``betas``, ``weight_decay``, ``foreach``...).
 
     Raises:
         ValueError: for an empty parameter list, a closure passed to ``step``, a non-positive
             ``chunk_bytes`` or ``accumulation_steps``, or an unknown ``overlap``.
+        RuntimeError: with ``overlap="backward"``, from ``step()`` or the backward, when the
+            number of backwards per step is not ``accumulation_steps``.
     """
 
     def __init__(
@@ -118,11 +168,24 @@ class CPUOptimizer:
                 self._group_of.append(gi)
             self.param_groups.append({**full_defaults, **{k: v for k, v in group.items() if k != "params"}})
         self._chunks: list[_Chunk] | None = None
+        self._chunk_of: dict[int, _Chunk] = {}
         self._queue: queue.Queue = queue.Queue()
         self._worker: threading.Thread | None = None
         self._pending = 0
         self._cv = threading.Condition()
         self._error: BaseException | None = None
+        self._compile_lock = _dynamo_compile_lock()
+        # A state loaded before the inner optimizers exist (global index -> state), see load_state_dict.
+        self._pending_state: dict[int, Any] | None = None
+        # overlap="backward" bookkeeping (see the module docstring).
+        self._backwards = 0  # backwards that delivered a gradient since the last step()/zero_grad()
+        self._task: int | None = None  # autograd graph task of the current backward
+        self._seen: set[int] = set()  # slot ids with a gradient in the current backward
+        self._doubled: set[int] = set()  # slot ids seen twice in one backward (several graphs)
+        self._confirmed = False  # a step() has confirmed accumulation_steps backwards
+        me = weakref.ref(self)
+        for p in self._params:
+            setattr(p, OWNER_ATTR, me)
 
     # ------------------------------------------------------------------ setup
     def _slots(self) -> list[ParamSlot]:
@@ -164,6 +227,7 @@ class CPUOptimizer:
             chunk = _Chunk(order, [slots[i] for i in order], opt, sorted(by_group))
             chunk.shadows = [shadows[i] for i in order]
             chunk.needs = {slots[i].id for i in order if self._params[i].requires_grad}
+            chunk.early = not (chunk.needs & self._doubled)
             chunks.append(chunk)
 
         for i, s in enumerate(slots):
@@ -174,22 +238,62 @@ class CPUOptimizer:
                 current, size = [], 0
         close()
         self._chunks = chunks
-        if self.overlap == "backward":
-            self._chunk_of = {s.id: c for c in chunks for s in c.slots}
-            for c in chunks:
-                for s in c.slots:
-                    s.on_grad = self._grad_ready
+        self._chunk_of = {s.id: c for c in chunks for s in c.slots}
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self._load_into_chunks(state)
         return chunks
 
-    def _grad_ready(self, slot: ParamSlot) -> None:
-        """A gradient reached the host (overlap="backward"): once every gradient of a chunk is
-        final for this step (``accumulation_steps`` micro-steps), start the chunk's update. The
-        graph sends a gradient to the host only after the parameter's last backward reader, so
-        nothing later in this backward reads the value being updated."""
-        if slot.num_grads < self.accumulation_steps:
+    def _grad_arrived(self, slot: ParamSlot) -> None:
+        """A gradient of ``slot`` reached the host (called by ``ParamSlot.add_grad`` on the
+        owner). With ``overlap="backward"``: count the backwards of this step, refuse one too
+        many, and once every gradient of a chunk is final for this step (it arrived in the
+        ``accumulation_steps``-th backward), start the chunk's update. The graph sends a gradient
+        to the host only after the parameter's last backward reader, so nothing later in this
+        backward reads the value being updated.
+
+        Raises:
+            RuntimeError: on the first gradient of a backward beyond ``accumulation_steps``, or
+                a second gradient of a parameter in one backward after its update started.
+        """
+        if self.overlap != "backward":
             return
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            self._task = task
+            self._backwards += 1
+            self._seen = set()
+        k = self.accumulation_steps
+        if self._backwards > k:
+            started = [c for c in self._chunks or () if c.enqueued]
+            raise RuntimeError(
+                f"CPUOptimizer(overlap='backward', accumulation_steps={k}): a {_ordinal(self._backwards)} "
+                f"backward since the last step()/zero_grad() sent a gradient of {slot.label()}; set "
+                "accumulation_steps to the number of backwards per optimizer step. "
+                + (
+                    f"The updates of {len(started)} of {len(self._chunks)} parameter chunks already started "
+                    f"after the {_ordinal(k)} backward, with the gradients of {k} backwards: this step's update "
+                    "is wrong (restore a checkpoint)."
+                    if started
+                    else "No update of this step has started."
+                )
+            )
         chunk = self._chunk_of.get(slot.id)
-        if chunk is None or chunk.enqueued:
+        if slot.id in self._seen:
+            # A second gradient in one backward: the parameter is read by several compiled graphs.
+            self._doubled.add(slot.id)
+            if chunk is not None:
+                if chunk.enqueued:
+                    raise RuntimeError(
+                        f"CPUOptimizer(overlap='backward'): {slot.label()} received two gradients in one backward "
+                        "(it is read by several compiled graphs, e.g. across a graph break) after its update for "
+                        "this step had started with the first one: this step's update is wrong. Use "
+                        "overlap='forward' (or avoid the graph break)."
+                    )
+                chunk.early = False
+            return
+        self._seen.add(slot.id)
+        if not self._confirmed or self._backwards != k or chunk is None or chunk.enqueued or not chunk.early:
             return
         chunk.done.add(slot.id)
         if chunk.needs <= chunk.done:
@@ -211,20 +315,33 @@ class CPUOptimizer:
         with self._cv:
             self._pending += len(chunks)
         for chunk in chunks:
-            self._queue.put(chunk)
+            self._queue.put((self, chunk))  # the queue keeps the optimizer alive while work is pending
 
     # ------------------------------------------------------------------ the worker
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=self._run, name="trinity-cpu-optimizer", daemon=True)
+            # The thread holds the optimizer only while it has work for it (the queued items), so
+            # a dropped CPUOptimizer is collected once idle (its parameters then have no owner);
+            # the finalizer then stops the thread.
+            self._worker = threading.Thread(
+                target=CPUOptimizer._run, args=(self._queue,), name="trinity-cpu-optimizer", daemon=True
+            )
             self._worker.start()
+            weakref.finalize(self, self._queue.put, None)
 
-    def _run(self) -> None:
+    @staticmethod
+    def _run(work: queue.Queue) -> None:
         while True:
-            chunk = self._queue.get()
+            item = work.get()
+            if item is None:
+                return
+            self, chunk = item
             try:
                 if self._error is None:
-                    chunk.optimizer.step()
+                    # No Dynamo compile may run meanwhile: it sets the process-wide
+                    # is_compiling() flag that torch.optim reads (module docstring).
+                    with self._compile_lock:
+                        chunk.optimizer.step()
             except BaseException as exc:  # noqa: BLE001  (re-raised on the main thread)
                 self._error = exc
                 for s in chunk.slots:
@@ -235,6 +352,7 @@ class CPUOptimizer:
                 with self._cv:
                     self._pending -= 1
                     self._cv.notify_all()
+            del self, chunk, item
 
     def synchronize(self) -> None:
         """Wait until every update handed to the worker is done.
@@ -254,7 +372,9 @@ class CPUOptimizer:
 
         Raises:
             ValueError: when ``closure`` is given (not supported).
-            RuntimeError: when an earlier update failed.
+            RuntimeError: when an earlier update failed; with ``overlap="backward"``, when the
+                number of backwards since the last step is neither 0 nor ``accumulation_steps``
+                (nothing of this step is updated then, unless the error says otherwise).
         """
         if closure is not None:
             raise ValueError("CPUOptimizer.step: closures are not supported")
@@ -262,6 +382,23 @@ class CPUOptimizer:
             self.synchronize()
         elif self._error is not None:
             raise RuntimeError("CPUOptimizer: an update on the worker thread failed") from self._error
+        if self.overlap == "backward":
+            k, n = self.accumulation_steps, self._backwards
+            if n not in (0, k):
+                started = sum(c.enqueued for c in self._chunks or ())
+                raise RuntimeError(
+                    f"CPUOptimizer(overlap='backward', accumulation_steps={k}).step(): {n} backward"
+                    f"{'s' if n != 1 else ''} since the last step()/zero_grad(), not {k}; set accumulation_steps to "
+                    "the number of backwards per optimizer step. "
+                    + (
+                        f"The updates of {started} parameter chunks already started: this step's update is wrong."
+                        if started
+                        else "No update of this step was started."
+                    )
+                )
+            if n == k:
+                self._confirmed = True
+            self._backwards, self._task = 0, None
         chunks = self._build()
         # overlap="backward": the chunks whose gradients were complete already started.
         self._enqueue([c for c in chunks if not c.enqueued])
@@ -274,6 +411,7 @@ class CPUOptimizer:
         they are zeroed (``set_to_none=False``, after the pending updates)."""
         for c in self._chunks or ():
             c.done.clear()
+        self._backwards, self._task = 0, None
         for p in self._params:
             s = slot_of(p)
             if s is None or s.grad is None:
@@ -316,15 +454,28 @@ class CPUOptimizer:
             [shadow_of[i] for i in range(len(self._params))], max_norm, norm_type=norm_type, **kwargs
         )
 
+    def _can_build(self) -> bool:
+        """Whether every parameter is offloaded already (the inner optimizers can be built)."""
+        try:
+            self._slots()
+        except ValueError:
+            return False
+        return True
+
     def state_dict(self) -> dict[str, Any]:
         """The state in ``torch.optim.Optimizer.state_dict()`` form (parameters numbered in the
-        order given), after pending updates; tensors are the live host state."""
+        order given), after pending updates; tensors are the live host state. Before the first
+        ``step()`` (the inner optimizers not built yet): the state loaded by
+        :meth:`load_state_dict`, if any, else no state."""
         self.synchronize()
         state: dict[int, Any] = {}
-        for chunk in self._build():
-            sd = chunk.optimizer.state_dict()
-            for local, st in sd["state"].items():
-                state[chunk.indices[local]] = st
+        if self._chunks is None and not self._can_build():
+            state = dict(self._pending_state or {})
+        else:
+            for chunk in self._build():
+                sd = chunk.optimizer.state_dict()
+                for local, st in sd["state"].items():
+                    state[chunk.indices[local]] = st
         groups = []
         for g, group in enumerate(self.param_groups):
             groups.append({**group, "params": [i for i, gi in enumerate(self._group_of) if gi == g]})
@@ -333,8 +484,14 @@ class CPUOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` (of an optimizer over the same parameters, in the same order).
 
+        Works at any time, also right after construction (before the model is compiled or the
+        first ``step()``): the group options apply at once, and the per-parameter state is loaded
+        into the inner optimizers (by their own ``load_state_dict``, so with their casts) as
+        soon as they exist; until then :meth:`state_dict` returns it.
+
         Raises:
-            ValueError: when the number of groups or parameters differs.
+            ValueError: when the number of groups or parameters differs, or the state names a
+                parameter index the groups do not hold.
         """
         self.synchronize()
         groups = state_dict["param_groups"]
@@ -346,14 +503,27 @@ class CPUOptimizer:
         for g, group in enumerate(groups):
             for k, i in enumerate(group["params"]):
                 position[i] = [j for j, gi in enumerate(self._group_of) if gi == g][k]
+        state = {}
+        for saved_i, st in state_dict["state"].items():
+            if int(saved_i) not in position:
+                raise ValueError(
+                    f"CPUOptimizer.load_state_dict: the state names parameter {saved_i!r}, which no group holds"
+                )
+            state[position[int(saved_i)]] = st
         for g, group in enumerate(groups):
             self.param_groups[g] = {k: v for k, v in group.items() if k != "params"}
-        for chunk in self._build():
-            local_state = {}
-            for saved_i, st in state_dict["state"].items():
-                glob = position[int(saved_i)]
-                if glob in chunk.indices:
-                    local_state[chunk.indices.index(glob)] = st
+        if self._chunks is None and not self._can_build():
+            self._pending_state = state  # loaded by _build
+            return
+        self._pending_state = None
+        self._build()
+        self._load_into_chunks(state)
+
+    def _load_into_chunks(self, state: dict[int, Any]) -> None:
+        """Load ``state`` (global parameter index -> state) into the inner optimizers, replacing
+        theirs, with ``self.param_groups``' options."""
+        for chunk in self._chunks or ():
+            local_state = {chunk.indices.index(glob): st for glob, st in state.items() if glob in chunk.indices}
             inner_groups = []
             start = 0
             for ig, g in zip(chunk.optimizer.param_groups, chunk.groups):

@@ -22,15 +22,31 @@ from the parameter through the attribute ``_trinity_slot`` (:func:`slot_of`), so
 as long as the parameter or the compiled code that uses it; there is no module-level state other
 than that registry.
 
-Between steps, with ``offload="all"``, a parameter holds no device storage: read it (an eager
-forward, ``state_dict``, ``load_state_dict``) inside :func:`materialized`, or let
-:func:`install_state_dict_hooks` make ``state_dict``/``load_state_dict`` work on their own.
+Between steps, with ``offload="all"``, a parameter holds no device storage. What reads it then:
+
+* ``state_dict()`` / ``load_state_dict()`` of a module that owns offloaded parameters work on
+  their own: the backend installs :func:`install_module_hooks` on every such module it can find
+  from the compiled frame (:func:`install_state_dict_hooks` does it by hand for any module).
+* an eager forward of such a module raises ``RuntimeError`` naming the parameter (the forward
+  pre-hook of :func:`install_module_hooks`); inside :func:`materialized` it runs normally.
+* any other read of the tensor (``print(p)``, ``p.sum()``, ``copy.deepcopy``): where torch has
+  ``torch._C._set_storage_data_ptr_access_error_msg`` (CUDA builds), the released storage is
+  marked so that any access to its data raises ``RuntimeError`` with the same message; without it
+  (CPU builds of torch) the storage is simply empty and such a read is undefined (README, "Limits
+  today").
+
+With ``offload="all"`` the parameter's owner is the :class:`~.cpu_optim.CPUOptimizer` given the
+parameter (attribute ``_trinity_optimizer``, a weak reference): it is told of every gradient that
+reaches the host (:meth:`ParamSlot.add_grad`), and :meth:`ParamSlot.check_owner` refuses the next
+forward when gradients reached the host but no ``CPUOptimizer`` owns the parameter (a plain
+``torch.optim`` optimizer would see ``p.grad is None`` and silently update nothing).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -39,9 +55,28 @@ import torch
 
 from .pool import HostPool
 
-__all__ = ["ParamSlot", "get_slot", "slot_of", "ensure_slot", "materialized", "install_state_dict_hooks", "SLOT_ATTR"]
+__all__ = [
+    "ParamSlot",
+    "get_slot",
+    "slot_of",
+    "ensure_slot",
+    "materialized",
+    "install_state_dict_hooks",
+    "install_module_hooks",
+    "SLOT_ATTR",
+    "OWNER_ATTR",
+]
 
 SLOT_ATTR = "_trinity_slot"
+OWNER_ATTR = "_trinity_optimizer"  # on the parameter: weakref.ref to the CPUOptimizer that owns it
+
+# Where torch has them (CUDA builds), these make any access to a released storage's data raise
+# RuntimeError with our message instead of reading freed memory (the mechanism cudagraph trees
+# use for overwritten outputs). Feature-detected: the CPU build of torch 2.13 has neither.
+_MARK_RELEASED = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
+_UNMARK_RELEASED = getattr(torch._C, "_clear_storage_data_ptr_access_error_msg", None)
+if _MARK_RELEASED is None or _UNMARK_RELEASED is None:
+    _MARK_RELEASED = _UNMARK_RELEASED = None
 
 _ids = itertools.count(1)
 _registry: weakref.WeakValueDictionary[int, ParamSlot] = weakref.WeakValueDictionary()
@@ -86,7 +121,7 @@ class ParamSlot:
         self.grad: torch.Tensor | None = None  # host gradient (offload="all"), allocated by enable_host_grad
         self.grad_valid = False  # False after zero_grad: the next add_grad copies
         self.num_grads = 0  # gradients accumulated since zero_grad (micro-steps)
-        self.on_grad = None  # called with the slot after each add_grad (CPUOptimizer, overlap="backward")
+        self.name: str | None = None  # the parameter's name in its model, when the backend found it
         self.resident = True
         self.ready = threading.Event()  # cleared while an optimizer update of the master is pending
         self.ready.set()
@@ -119,6 +154,54 @@ class ParamSlot:
             raise RuntimeError(f"trinity: the parameter of slot {self.id} no longer exists")
         return p
 
+    def label(self) -> str:
+        """``'gpt.tok.weight'`` (when known) and the shape and dtype, for messages."""
+        p = self.master
+        what = f"shape {list(p.shape)}, {p.dtype}"
+        return f"parameter {self.name!r} ({what})" if self.name else f"a parameter ({what})"
+
+    def released_message(self) -> str:
+        """What a read of the released parameter is told (see the module docstring)."""
+        if self.keep_resident:
+            where = (
+                "is offloaded to host memory (offload='activations+params') and was released inside the "
+                "training step (after its last forward reader, until the backward fetches it again)"
+            )
+        else:
+            where = (
+                "is offloaded to host memory (offload='all') and holds no device memory between steps "
+                "(its value is the host master copy)"
+            )
+        return (
+            f"trinity: {self.label()} {where}. Read it through the compiled model or inside "
+            "`with offload_compiler.materialized(model.parameters()):`; model.state_dict() and "
+            "model.load_state_dict() work directly."
+        )
+
+    def owner(self):
+        """The live :class:`~.cpu_optim.CPUOptimizer` that owns this parameter, or ``None``."""
+        p = self.param_ref()
+        ref = getattr(p, OWNER_ATTR, None) if p is not None else None
+        return ref() if ref is not None else None
+
+    def check_owner(self) -> None:
+        """Refuse to go on when gradients reached the host but no ``CPUOptimizer`` owns the
+        parameter (called by ``trinity::param_fetch``, i.e. at the next forward).
+
+        Raises:
+            RuntimeError: naming the parameter, when it has a host gradient since the last
+                ``zero_grad`` and no live ``CPUOptimizer`` was given it.
+        """
+        if self.grad is None or not self.grad_valid or self.owner() is not None:
+            return
+        raise RuntimeError(
+            f"trinity: gradients of {self.label()} reached host memory (offload='all'), but no "
+            "offload_compiler.CPUOptimizer owns this parameter: with offload='all' p.grad stays None, so a "
+            "torch.optim optimizer updates nothing. Use offload_compiler.CPUOptimizer(model.parameters(), "
+            "torch.optim.AdamW, lr=...) (it steps the host copies), or offload='activations+params' to keep "
+            "your own optimizer."
+        )
+
     def wait_ready(self) -> None:
         """Block until no optimizer update of the master is pending; re-raise its error."""
         self.ready.wait()
@@ -132,6 +215,8 @@ class ParamSlot:
             if self.resident:
                 return
             storage = self._param().untyped_storage()
+            if _UNMARK_RELEASED is not None:
+                _UNMARK_RELEASED(storage._cdata)
             storage.resize_(self.nbytes)
             _flat(storage, self.nbytes, self.device).copy_(self._master_bytes)
             self.resident = True
@@ -147,11 +232,20 @@ class ParamSlot:
                 self._master_bytes.copy_(_flat(storage, self.nbytes, self.device))
                 self.num_write_backs += 1
             storage.resize_(0)
+            if _MARK_RELEASED is not None:
+                _MARK_RELEASED(storage._cdata, self.released_message())
             self.resident = False
             self.num_releases += 1
 
     def add_grad(self, g: torch.Tensor) -> None:
-        """Accumulate the device gradient ``g`` (same shape as the parameter) into the host one."""
+        """Accumulate the device gradient ``g`` (same shape as the parameter) into the host one,
+        then tell the owning ``CPUOptimizer`` (if any) that it arrived.
+
+        Raises:
+            RuntimeError: when the slot has no host gradient, when a pending update failed, or
+                from the owner (``CPUOptimizer(overlap="backward")`` seeing more backwards than
+                ``accumulation_steps``).
+        """
         if self.grad is None:
             raise RuntimeError(f"trinity: slot {self.id} has no host gradient (offload='all' allocates it)")
         self.wait_ready()
@@ -162,8 +256,9 @@ class ParamSlot:
             self.grad.copy_(g)
             self.grad_valid = True
             self.num_grads = 1
-        if self.on_grad is not None:
-            self.on_grad(self)
+        owner = self.owner()
+        if owner is not None:
+            owner._grad_arrived(self)  # counts backwards; overlap="backward" may start an update
 
 
 def get_slot(slot_id: int) -> ParamSlot:
@@ -230,42 +325,111 @@ def materialized(params: Iterable[torch.Tensor]) -> Iterator[None]:
                 slot.release(write_back=True)
 
 
-def install_state_dict_hooks(module: torch.nn.Module) -> list:
-    """Make ``module.state_dict()`` and ``module.load_state_dict()`` work between steps without
-    :func:`materialized`.
+def _in_optimized_module() -> bool:
+    """Whether a ``torch.compile``'d module (``OptimizedModule``) is being called right now."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    check = getattr(eval_frame, "_is_in_optimized_module", None)
+    return bool(check()) if check is not None else False
 
-    * ``state_dict()``: each offloaded parameter's entry is its host master copy (current: pending
-      CPU-optimizer updates are waited for), a host tensor shaped like the parameter. On a GPU the
-      entry is therefore a CPU tensor; ``torch.save`` and ``load_state_dict`` accept it.
+
+def _forward_pre_hook(mod: torch.nn.Module, args) -> None:
+    # Traced by Dynamo (is_compiling() is a constant True there): a no-op in compiled code,
+    # whose graphs fetch the parameters themselves.
+    if torch.compiler.is_compiling() or _in_optimized_module():
+        return None
+    for p in mod._parameters.values():
+        slot = slot_of(p) if p is not None else None
+        if slot is not None and not slot.resident:
+            raise RuntimeError(f"eager forward of {type(mod).__name__}: " + slot.released_message())
+    return None
+
+
+def _state_dict_post_hook(mod: torch.nn.Module, state_dict, prefix: str, local_metadata) -> None:
+    for name, p in mod._parameters.items():
+        slot = slot_of(p) if p is not None else None
+        key = prefix + name
+        # keep_vars=True puts the parameter itself in the dict: left alone.
+        if slot is None or key not in state_dict or state_dict[key] is p:
+            continue
+        slot.wait_ready()
+        if not slot.resident:
+            state_dict[key] = slot.master.detach()
+
+
+def _load_pre_hook(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    slots = [s for s in (slot_of(p) for p in mod._parameters.values() if p is not None) if s is not None]
+    if slots and local_metadata.get("assign_to_params_buffers", False):
+        raise RuntimeError(
+            f"trinity: load_state_dict(assign=True) would replace {slots[0].label()}, which is offloaded "
+            "(the compiled code and its host copy keep the old parameter object); use assign=False"
+        )
+    for slot in slots:
+        slot.fetch()
+
+
+def _load_post_hook(mod: torch.nn.Module, incompatible_keys) -> None:
+    for p in mod._parameters.values():
+        slot = slot_of(p) if p is not None else None
+        if slot is not None and not slot.keep_resident:
+            slot.release(write_back=True)
+
+
+_MODULE_HOOKS = (
+    ("_forward_pre_hooks", _forward_pre_hook, "register_forward_pre_hook"),
+    ("_state_dict_hooks", _state_dict_post_hook, "register_state_dict_post_hook"),
+    ("_load_state_dict_pre_hooks", _load_pre_hook, "register_load_state_dict_pre_hook"),
+    ("_load_state_dict_post_hooks", _load_post_hook, "register_load_state_dict_post_hook"),
+)
+
+
+def _has_hook(registry, fn) -> bool:
+    for h in registry.values():
+        h = getattr(h, "hook", h)  # load_state_dict pre-hooks are wrapped
+        if h is fn:
+            return True
+    return False
+
+
+def install_module_hooks(module: torch.nn.Module) -> list:
+    """Hooks on ``module`` itself (not its children) for the parameters it owns directly
+    (``module._parameters``), looked up at each call, so it may be offloaded later:
+
+    * ``state_dict()``: the entry of a released offloaded parameter is its host master copy
+      (current: pending CPU-optimizer updates are waited for), a host tensor shaped like the
+      parameter (on a GPU a CPU tensor; ``torch.save`` and ``load_state_dict`` accept it). With
+      ``keep_vars=True`` the entry stays the parameter.
     * ``load_state_dict()``: offloaded parameters are fetched before the load and, with
       ``offload="all"``, written back into their master copies and released after it.
+      ``assign=True`` is refused (``RuntimeError``): it would replace an offloaded parameter.
+    * an eager forward (outside ``torch.compile``) while one of them is released raises
+      ``RuntimeError`` naming it, instead of reading an empty storage.
 
-    Returns the hook handles (``handle.remove()`` undoes them). Parameters offloaded later (the
-    model compiled after this call) are covered too: the hooks look the slots up at each call.
+    Idempotent: hooks already there are not added twice. Returns the handles of the hooks this
+    call added (``handle.remove()`` undoes them).
     """
+    handles = []
+    for registry, fn, register in _MODULE_HOOKS:
+        if not _has_hook(getattr(module, registry), fn):
+            handles.append(getattr(module, register)(fn))
+    return handles
 
-    def state_dict_post_hook(mod, state_dict, prefix, local_metadata):
-        for name, p in mod.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
-            slot = slot_of(p)
-            if slot is not None and name in state_dict:
-                slot.wait_ready()
-                if not slot.keep_resident or not slot.resident:
-                    state_dict[name] = slot.master.detach()
 
-    def load_pre_hook(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        for p in mod.parameters():
-            slot = slot_of(p)
-            if slot is not None:
-                slot.fetch()
+def install_state_dict_hooks(module: torch.nn.Module) -> list:
+    """Make ``module.state_dict()`` and ``module.load_state_dict()`` (and those of its
+    submodules) work between steps without :func:`materialized`: :func:`install_module_hooks` on
+    ``module`` and every submodule that has parameters.
 
-    def load_post_hook(mod, incompatible_keys):
-        for p in mod.parameters():
-            slot = slot_of(p)
-            if slot is not None and not slot.keep_resident:
-                slot.release(write_back=True)
+    The backend does this by itself for the modules it finds from the compiled frame (a model
+    compiled with ``torch.compile(model, ...)``, or a module reached from the compiled function's
+    locals or globals); this function is for modules it cannot find (parameters passed to the
+    compiled function in a list, say).
 
-    return [
-        module.register_state_dict_post_hook(state_dict_post_hook),
-        module.register_load_state_dict_pre_hook(load_pre_hook),
-        module.register_load_state_dict_post_hook(load_post_hook),
-    ]
+    Returns the hook handles this call added (``handle.remove()`` undoes them). Parameters
+    offloaded later (the model compiled after this call) are covered too: the hooks look the
+    slots up at each call.
+    """
+    handles = []
+    for mod in module.modules():
+        if mod._parameters:
+            handles.extend(install_module_hooks(mod))
+    return handles

@@ -5,7 +5,8 @@ Schemas (``slot`` is the id of a :class:`~offload_compiler.runtime.model_state.P
 * ``trinity::param_fetch(Tensor(a!) p, int slot) -> ()``: make the storage of ``p`` (the
   parameter or any view of it) hold the parameter's current value: wait for a pending CPU
   optimizer update, re-allocate the storage and copy the host master copy into it. A no-op when
-  the storage is resident.
+  the storage is resident. Raises ``RuntimeError`` when the parameter's gradients reached the
+  host but no ``CPUOptimizer`` owns it (``ParamSlot.check_owner``).
 * ``trinity::param_release(Tensor(a!) p, int slot, bool write_back) -> ()``: free the storage of
   ``p`` (``untyped_storage().resize_(0)``); with ``write_back`` copy it into the master first.
 * ``trinity::grad_to_host(Tensor g, int slot) -> ()``: add the gradient ``g`` into the
@@ -57,7 +58,9 @@ def _checked_slot(p: torch.Tensor, slot_id: int):
 
 
 def _param_fetch(p: torch.Tensor, slot: int) -> None:
-    _checked_slot(p, slot).fetch()
+    s = _checked_slot(p, slot)
+    s.check_owner()  # gradients on the host but no CPUOptimizer: refuse (model_state)
+    s.fetch()
 
 
 def _param_release(p: torch.Tensor, slot: int, write_back: bool) -> None:
