@@ -162,7 +162,7 @@ def trinity(
             from .param_offload import rewrite_inference
 
             def inference_compiler(gm: fx.GraphModule, inputs):
-                plan = rewrite_inference(gm, session.param_slots, opts)
+                plan = rewrite_inference(gm, session.param_slots, opts, runtime.id)
                 if plan is not None:
                     session.residency_plans.append(plan)
                 return boxed_nop(gm, inputs)

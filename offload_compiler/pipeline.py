@@ -303,7 +303,7 @@ class CompileSession:
             residency = dataclasses.replace(
                 model_state["plan"], peak_bytes=the_plan.peak_bytes_planned, peak_bytes_resident_params=resident_peak
             )
-            param_residency.apply(pair, residency, step_nodes)
+            param_residency.apply(pair, residency, step_nodes, self.runtime.id)
             if opts.verify:
                 errors = param_residency.check(pair, residency)
                 if errors:

@@ -224,6 +224,12 @@ class CPUOptimizer:
             chunk = self._queue.get()
             try:
                 if self._error is None:
+                    for s in chunk.slots:
+                        # The graph's copies are asynchronous: no update of a master an H2D copy
+                        # still reads, nor from a host gradient whose D2H copy (or staged add) is
+                        # not done.
+                        s.sync_master_copies()
+                        s.finish_grad()
                     chunk.optimizer.step()
             except BaseException as exc:  # noqa: BLE001  (re-raised on the main thread)
                 self._error = exc
@@ -237,7 +243,8 @@ class CPUOptimizer:
                     self._cv.notify_all()
 
     def synchronize(self) -> None:
-        """Wait until every update handed to the worker is done.
+        """Wait until every update handed to the worker is done and every gradient copied to
+        the host by the graphs is complete in the host gradients.
 
         Raises:
             RuntimeError: when an update failed (the worker's exception is the cause).
@@ -245,8 +252,16 @@ class CPUOptimizer:
         with self._cv:
             while self._pending:
                 self._cv.wait()
+        self._finish_grads()
         if self._error is not None:
             raise RuntimeError("CPUOptimizer: an update on the worker thread failed") from self._error
+
+    def _finish_grads(self) -> None:
+        """Complete the gradient copies in flight (and staged adds) of every parameter."""
+        for p in self._params:
+            s = slot_of(p)
+            if s is not None and s.grad is not None:
+                s.finish_grad()
 
     # ------------------------------------------------------------------ the optimizer interface
     def step(self, closure=None) -> None:
@@ -278,6 +293,7 @@ class CPUOptimizer:
             s = slot_of(p)
             if s is None or s.grad is None:
                 continue
+            s.finish_grad()  # no copy into the host gradient may land after this
             s.num_grads = 0
             if set_to_none:
                 s.grad_valid = False
@@ -288,6 +304,7 @@ class CPUOptimizer:
 
     def host_grads(self) -> list[torch.Tensor | None]:
         """The host gradients, in parameter order (``None`` where there is none this step)."""
+        self._finish_grads()
         out = []
         for p in self._params:
             s = slot_of(p)
