@@ -21,6 +21,12 @@ host only after the parameter's last backward reader, so no later part of the ba
 parameter being updated. Clipping by total norm needs every gradient first, so it is refused in
 that mode. ``step()`` then starts what is left (chunks with a parameter that got no gradient).
 
+The graph's parameter copies are asynchronous (see :mod:`.model_state`): before updating a
+chunk, the worker waits on the host for the copies that still read its masters (a fetch issued
+by the graph) and for its gradients' copies to the host (adding staged gradients); ``step()``
+itself does not wait for them. ``synchronize()`` (so ``clip_grad_norm_``, ``state_dict``) and
+``host_grads()`` complete the gradient copies first.
+
 The user's loop stays ``loss.backward(); opt.step(); opt.zero_grad()``; gradient clipping is
 ``opt.clip_grad_norm_(max_norm)`` (``torch.nn.utils.clip_grad_norm_`` on the host gradients:
 with ``"all"`` the device parameters' ``.grad`` stays ``None``).
@@ -249,10 +255,14 @@ class CPUOptimizer:
         Raises:
             RuntimeError: when an update failed (the worker's exception is the cause).
         """
+        self._wait_worker()
+        self._finish_grads()
+
+    def _wait_worker(self) -> None:
+        """Wait for the updates handed to the worker; re-raise the first failure."""
         with self._cv:
             while self._pending:
                 self._cv.wait()
-        self._finish_grads()
         if self._error is not None:
             raise RuntimeError("CPUOptimizer: an update on the worker thread failed") from self._error
 
@@ -274,7 +284,9 @@ class CPUOptimizer:
         if closure is not None:
             raise ValueError("CPUOptimizer.step: closures are not supported")
         if self.overlap == "forward" or self._chunks is None:
-            self.synchronize()
+            # Not synchronize(): the worker waits for the gradient copies itself, so step()
+            # does not block on the backward's last copies.
+            self._wait_worker()
         elif self._error is not None:
             raise RuntimeError("CPUOptimizer: an update on the worker thread failed") from self._error
         chunks = self._build()
@@ -293,12 +305,14 @@ class CPUOptimizer:
             s = slot_of(p)
             if s is None or s.grad is None:
                 continue
-            s.finish_grad()  # no copy into the host gradient may land after this
             s.num_grads = 0
             if set_to_none:
+                # A gradient copy still in flight is completed by the next gradient's copy or
+                # the worker, before anything reads the host gradient again.
                 s.grad_valid = False
             else:
                 s.wait_ready()
+                s.finish_grad()  # no copy into the host gradient may land after the zeroing
                 s.grad.zero_()
                 s.grad_valid = True
 

@@ -267,6 +267,7 @@ class ParamSlot:
                 self.num_grads = 1
         else:
             self.finish_grad()  # the previous micro-step's gradient first: adds stay in order
+            runtime.reap_staged()  # other staged gradients whose copies are done
             accumulate = self.grad_valid
             same_layout = (
                 tuple(g.shape) == tuple(self.grad.shape)
@@ -279,27 +280,40 @@ class ParamSlot:
             mode = "add" if accumulate else ("copy" if staging is not None else None)
             with self.lock:
                 self._grad_copy = (handle, staging, mode)
+            if staging is not None:
+                runtime.note_staged(self)
             self.num_grads = self.num_grads + 1 if accumulate else 1
             self.grad_valid = True
         if self.on_grad is not None:
             self.on_grad(self)
 
-    def finish_grad(self) -> None:
+    def finish_grad(self, block: bool = True) -> bool:
         """Complete the gradient copy in flight, if any: wait for it on the host and, when it
         went to a staging block, add (or copy) that into the host gradient. Call it before the
         host reads or writes the host gradient (the CPU optimizer, ``host_grads``, clipping,
-        ``zero_grad``). Thread-safe."""
+        ``zero_grad``). Thread-safe.
+
+        Args:
+            block: ``False``: only if the copy has completed already (never waits).
+
+        Returns:
+            Whether no gradient copy is pending any more.
+        """
         with self.lock:
-            pending, self._grad_copy = self._grad_copy, None
+            pending = self._grad_copy
             if pending is None:
-                return
+                return True
             handle, staging, mode = pending
             if handle is not None:
+                if not block and not handle.query():
+                    return False
                 handle.synchronize()
             if mode == "add":
                 self.grad.add_(staging)
             elif mode == "copy":
                 self.grad.copy_(staging)
+            self._grad_copy = None
+            return True
 
     def sync_master_copies(self) -> None:
         """Block until the device copies issued so far that read the master (fetches) or write

@@ -100,7 +100,9 @@ def _grad_to_host(g: torch.Tensor, slot: int, rt: int) -> None:
 
 
 def _grad_to_host_wait(g: torch.Tensor, slot: int, rt: int) -> None:
-    get_runtime(rt).wait_key(grad_key(slot))
+    runtime = get_runtime(rt)
+    runtime.wait_key(grad_key(slot))
+    runtime.reap_staged()
 
 
 for _name, _fn in (

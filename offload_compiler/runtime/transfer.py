@@ -176,6 +176,7 @@ class TransferRuntime:
         )
         self._pending: dict[int, _Pending] = {}
         self._deferred: dict[int, _Deferred] = {}
+        self._staged: list = []  # parameter slots with a gradient copy into a staging block
         self._lock = threading.Lock()
         self._evicts = 0
         self._prefetches = 0
@@ -361,6 +362,23 @@ class TransferRuntime:
             offload_compiler.runtime.pool.HostPoolExhausted: as :meth:`HostPool.empty_strided`.
         """
         return self.pool.empty_strided(tuple(like.shape), tuple(like.stride()), like.dtype)
+
+    def note_staged(self, slot) -> None:
+        """Remember a parameter slot whose gradient copy went to a staging block, so that
+        :meth:`reap_staged` adds it into the host gradient once the copy is done."""
+        with self._lock:
+            self._staged.append(slot)
+
+    def reap_staged(self) -> None:
+        """Add the staged gradients whose copies have completed into their host gradients
+        (``slot.finish_grad(block=False)``; never blocks the host), so that their staging blocks
+        go back to the pool: staging holds only copies in flight, not a second set of gradients."""
+        with self._lock:
+            staged, self._staged = self._staged, []
+        keep = [s for s in staged if not s.finish_grad(block=False)]
+        if keep:
+            with self._lock:
+                self._staged = keep + self._staged
 
     # ------------------------------------------------------------------ fault injection
     def _defer(self, key_tensor: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> None:
