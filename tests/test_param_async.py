@@ -358,3 +358,42 @@ def test_staging_blocks_do_not_pile_up_over_accumulation(monkeypatch):
         assert torch.equal(p.grad, g)
     assert report.runtime_stats().host_pool.num_allocations > 0  # staging was used
     torch._dynamo.reset()
+
+
+def test_an_exception_between_a_fetch_and_its_wait_leaves_the_next_step_correct(monkeypatch):
+    """The forward fails right after a parameter's fetch was issued (its wait never runs); the
+    copy stays registered, and the next step's fetch (a no-op: the storage is allocated) and wait
+    complete it before the reader."""
+    from offload_compiler.runtime.model_state import ParamSlot as Slot
+
+    torch._dynamo.reset()
+    ref, cref, model, cm = pair("all", fault_injection=11)
+    idx, t = batch()
+    cref(idx, t).backward()
+    cm(idx, t).backward()  # compiles; parameters released after it
+    real_wait = Slot.fetch_wait
+    calls = []
+
+    def failing_wait(self, rt):
+        calls.append(self.id)
+        raise RuntimeError("boom between fetch and wait")
+
+    monkeypatch.setattr(Slot, "fetch_wait", failing_wait)
+    with pytest.raises(RuntimeError, match="boom between fetch and wait"):
+        cm(idx, t)
+    monkeypatch.setattr(Slot, "fetch_wait", real_wait)
+    (slot_id,) = calls
+    slot = next(p._trinity_slot for p in model.parameters() if p._trinity_slot.id == slot_id)
+    assert slot.resident and slot.unwaited_fetch is not None
+    for p in ref.parameters():
+        p.grad = None
+    opt = tms.CPUOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    opt.zero_grad()
+    l_ref, loss = cref(idx, t), cm(idx, t)
+    assert torch.equal(l_ref, loss)
+    l_ref.backward()
+    loss.backward()
+    for p, g in zip(ref.parameters(), opt.host_grads()):
+        assert torch.equal(p.grad, g)
+    assert slot.unwaited_fetch is None
+    torch._dynamo.reset()
