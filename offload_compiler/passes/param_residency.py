@@ -156,6 +156,16 @@ class ResidencyPlan:
         )
 
 
+def _grad_waits(params) -> dict[int, int]:
+    """Gradient buffer -> the step after its last ``grad_to_host_wait`` (several parameters'
+    gradients may be views of one buffer)."""
+    out: dict[int, int] = {}
+    for p in params:
+        if p.grad_wait_after is not None and p.grad_buffer is not None:
+            out[p.grad_buffer] = max(out.get(p.grad_buffer, -1), p.grad_wait_after)
+    return out
+
+
 def _lead(first_use: int, floor: int, nbytes: int, costs: Costs) -> int:
     """Fewest steps before ``first_use`` (not before ``floor``) whose compute covers the copy."""
     need = costs.transfer_seconds(nbytes, "h2d")
@@ -307,11 +317,11 @@ def plan(
             for a, b in p.resident_steps:
                 diff[a] += p.nbytes
                 diff[b + 1] -= p.nbytes
-            if p.grad_wait_after is not None and p.grad_buffer is not None:
-                # Freed after its grad_to_host_wait instead of at the backward's end.
-                gb = live.buffers[p.grad_buffer]
-                diff[p.grad_wait_after + 1] -= gb.size_bytes
-                diff[live.num_steps] += gb.size_bytes
+        for gid, wait in _grad_waits(params).items():
+            # Freed after its (last) grad_to_host_wait instead of at the backward's end.
+            gb = live.buffers[gid]
+            diff[wait + 1] -= gb.size_bytes
+            diff[live.num_steps] += gb.size_bytes
         return base_live + np.cumsum(diff[:-1])
 
     params = build(use_windows)
@@ -516,9 +526,9 @@ def activation_view(live: Liveness, the_plan: ResidencyPlan) -> Liveness:
                 )
             )
             next_id += 1
-        if p.grad_buffer is not None and p.grad_wait_after is not None:
-            g = buffers[p.grad_buffer]
-            buffers[p.grad_buffer] = replace(g, last_step=max(g.def_step, p.grad_wait_after))
+    for gid, wait in _grad_waits(the_plan.params).items():
+        g = buffers[gid]
+        buffers[gid] = replace(g, last_step=max(g.def_step, wait))
     return replace(live, buffers=tuple(buffers + extra))
 
 

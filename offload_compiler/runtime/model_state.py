@@ -83,6 +83,11 @@ def grad_key(slot_id: int) -> tuple:
     return ("grad", slot_id)
 
 
+def write_back_key(slot_id: int) -> tuple:
+    """The transfer runtime's pending-copy key of a parameter's write-back copy."""
+    return ("write_back", slot_id)
+
+
 def _flat(storage: torch.UntypedStorage, nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 tensor over the first ``nbytes`` of ``storage``."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
@@ -229,9 +234,8 @@ class ParamSlot:
                 if runtime is None:
                     self._master_bytes.copy_(src)
                 else:
-                    key = ("write_back", self.id)
-                    handle = runtime.copy_async(key, src, self._master_bytes, "d2h")
-                    runtime.wait_key(key)  # the free below is ordered after the copy
+                    handle = runtime.copy_async(write_back_key(self.id), src, self._master_bytes, "d2h")
+                    runtime.wait_key(write_back_key(self.id))  # the free below is ordered after the copy
                     if handle is not None:
                         self.d2h = handle
                 self.num_write_backs += 1

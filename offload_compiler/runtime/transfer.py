@@ -69,7 +69,9 @@ class FaultInjection:
 
 @dataclass(frozen=True)
 class TransferStats:
-    """Counters of one runtime since it was created (bytes are view bytes, not block bytes)."""
+    """Counters of one runtime since it was created (bytes are view bytes, not block bytes;
+    ``bytes_d2h``/``bytes_h2d`` include the parameter copies of parameter offload, the copy
+    counts do not; ``pending_copies`` counts both)."""
 
     num_evicts: int
     num_prefetches: int
