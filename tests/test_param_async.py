@@ -397,3 +397,32 @@ def test_an_exception_between_a_fetch_and_its_wait_leaves_the_next_step_correct(
         assert torch.equal(p.grad, g)
     assert slot.unwaited_fetch is None
     torch._dynamo.reset()
+
+
+def test_measured_peak_within_the_budget_with_gradients_alive_until_their_waits(tmp_path):
+    """The device gradients live until their ``grad_to_host_wait`` (the copy reads them): the
+    planner counts them until there, so the measured peak of forward + backward stays within the
+    budget (planning them as freed at ``grad_to_host`` would exceed it on this model)."""
+    import json
+
+    from offload_compiler import measure_peak_device_bytes
+    from offload_compiler.models import GPTConfig
+
+    torch._dynamo.reset()
+    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=4, n_head=2, n_embd=64)
+    ref, cref, model, cm = pair("all", cfg, memory_budget="30%", min_offload_bytes=0, dump_dir=str(tmp_path))
+    opt = tms.CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    for step in range(2):
+        idx, t = batch(cfg, seed=step)
+        cm(idx, t).backward()
+        opt.step()
+        opt.zero_grad()
+    report = tms.offload_compiler.last_report()
+    (graph_dir,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    params = json.loads((graph_dir / "residency.json").read_text())["params"]
+    assert any(p["grad_wait_after"] > p["grad_to_host_after"] for p in params)
+    opt.synchronize()
+    idx, t = batch(cfg, seed=7)
+    m = measure_peak_device_bytes(lambda: cm(idx, t).backward(), resident=[], device="cpu")
+    assert m.peak_bytes <= report.budget_bytes, (m.peak_bytes, report.peak_bytes_planned, report.budget_bytes)
+    torch._dynamo.reset()
