@@ -173,7 +173,7 @@ def _compile(gm, example_inputs, options, mode, unexpected):
             from .param_offload import rewrite_inference
 
             def inference_compiler(gm: fx.GraphModule, inputs):
-                plan = rewrite_inference(gm, session.param_slots, opts)
+                plan = rewrite_inference(gm, session.param_slots, opts, runtime.id)
                 if plan is not None:
                     session.residency_plans.append(plan)
                 return boxed_nop(gm, inputs)

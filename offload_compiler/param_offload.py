@@ -145,10 +145,17 @@ def make_slots(
 
 
 def rewrite_inference(
-    gm: fx.GraphModule, slots: dict[int, ParamSlot], options: TrinityOptions
+    gm: fx.GraphModule, slots: dict[int, ParamSlot], options: TrinityOptions, rt: int
 ) -> param_residency.ResidencyPlan | None:
-    """Fetch each offloaded parameter before its first use in the forward-only graph ``gm``
-    and, with ``offload="all"``, release it after its last use. Mutates ``gm``."""
+    """Fetch each offloaded parameter ahead of its first use in the forward-only graph ``gm``
+    (``param_fetch`` by the working window, ``param_fetch_wait`` right before the reader) and,
+    with ``offload="all"``, release it after its last use. ``rt`` is the id of the transfer
+    runtime whose copy streams the copies use. Mutates ``gm``.
+
+    Raises:
+        offload_compiler.passes.verify.VerificationError: when ``options.verify`` is on and the
+            rewritten graph breaks a residency invariant (:func:`.passes.param_residency.check`).
+    """
     if not slots:
         return None
     empty = fx.Graph()
@@ -164,5 +171,13 @@ def rewrite_inference(
     # Forward-only: every parameter read is fetched (with "activations+params" a parameter is
     # released only after a training forward whose backward never ran; the fetch restores it).
     the_plan = param_residency.plan(pair, live, costs, chosen, "all", live.live_bytes(), None, host_grad=False)
-    param_residency.apply(pair, the_plan, step_nodes, release=options.offload == "all", backward=False)
+    param_residency.apply(pair, the_plan, step_nodes, rt, release=options.offload == "all", backward=False)
+    if options.verify:
+        from .passes.verify import VerificationError
+
+        errors = param_residency.check(pair, the_plan)
+        if errors:
+            raise VerificationError(
+                "trinity verification of parameter residency (inference graph) failed:\n  - " + "\n  - ".join(errors)
+            )
     return the_plan

@@ -313,7 +313,7 @@ class CompileSession:
             residency = dataclasses.replace(
                 model_state["plan"], peak_bytes=the_plan.peak_bytes_planned, peak_bytes_resident_params=resident_peak
             )
-            param_residency.apply(pair, residency, step_nodes)
+            param_residency.apply(pair, residency, step_nodes, self.runtime.id)
             if opts.verify:
                 errors = param_residency.check(pair, residency)
                 if errors:
@@ -321,6 +321,11 @@ class CompileSession:
                         "trinity verification of parameter residency failed:\n  - " + "\n  - ".join(errors)
                     )
             self.residency_plans.append(residency)
+            # The step with the parameter copies too, issued and waited for where the graphs do.
+            act_tasks = plan_window.copy_tasks(the_plan.evictions, costs)
+            param_timeline = simulate.simulate(
+                costs.step_seconds, act_tasks + param_residency.copy_tasks(residency, costs, len(act_tasks))
+            )
             seconds["param_residency"] += time.perf_counter() - t0
             log.info("%s", residency.summary())
             if dumper:
@@ -373,6 +378,8 @@ class CompileSession:
                     "peak_bytes_resident_params": residency.peak_bytes_resident_params,
                     "max_window_steps": residency.max_window_steps,
                     "window_seconds": residency.window_seconds,
+                    "predicted_step_seconds": param_timeline.step_seconds,
+                    "exposed_transfer_seconds": param_timeline.exposed_seconds,
                 }
                 if residency is not None
                 else None

@@ -48,7 +48,11 @@ class TrinityReport:
         param_offload: with ``offload`` other than ``"activations"``: the mode, parameters
             offloaded, host bytes, the predicted peak with parameter residency (``peak_bytes``, the
             same as ``peak_bytes_planned``) and with parameters resident throughout
-            (``peak_bytes_resident_params``), and the working window (``max_window_steps`` nodes, ``window_seconds``); else ``None``.
+            (``peak_bytes_resident_params``), the working window (``max_window_steps`` nodes,
+            ``window_seconds``), and the simulated step with the parameter copies as well as the
+            activation copies, each issued and waited for where the graphs do
+            (``predicted_step_seconds``, ``exposed_transfer_seconds``; the top-level figures
+            count the activation copies only); else ``None``.
         not_offloaded: saved activations kept on the device because trinity cannot move them
             (``(forward node, reason)``: a tensor subclass, a collective's buffer, ...).
         streams: with ``num_streams`` > 1 and ``inner="eager"``: per graph, ``(graph, streams
@@ -121,6 +125,11 @@ class TrinityReport:
                 f"{format_bytes(po['peak_bytes'])} (resident: {format_bytes(po['peak_bytes_resident_params'])}), "
                 f"window up to {po['max_window_steps']} nodes"
             )
+            if "predicted_step_seconds" in po:
+                lines.append(
+                    f"             with parameter copies: {po['predicted_step_seconds'] * 1e3:.3f} ms per step, "
+                    f"{po['exposed_transfer_seconds'] * 1e3:.3f} ms of it exposed copies"
+                )
         if self.streams:
             parts = [
                 f"{g} {used} stream{'s' if used != 1 else ''}, {events} event{'s' if events != 1 else ''} "

@@ -4,18 +4,24 @@ With ``offload="activations+params"`` or ``"all"`` every parameter (an ``nn.Para
 the forward's static-lifetime inputs) becomes a plan candidate. For each one, over the joint
 schedule (steps as in :mod:`.liveness`):
 
-* forward: ``param_fetch`` ahead of its first reader (the **working window**, below) and
+* forward: ``param_fetch`` (issues the asynchronous host-to-device copy) ahead of its first
+  reader (the **working window**, below), ``param_fetch_wait`` right before that reader, and
   ``param_release`` right after its last forward reader (the forward's output node, which only
   hands saved views to the backward, is not a reader);
 * backward: ``param_fetch`` ahead of its first backward reader (the saved views of it, e.g. the
-  ``t(weight)`` a linear layer's input gradient needs) and, with ``"all"``, ``param_release``
-  after its last one. With ``"activations+params"`` it stays resident to the end of the step (the
-  user's own optimizer updates it on the device); the forward's release then writes the device
-  value back to the host master first.
-* with ``"all"``, the parameter's gradient goes to host memory (``grad_to_host``) right after the
-  node that produces it (or after the parameter's last backward reader, if that comes later: from
-  then on the CPU optimizer may update the parameter), and the backward returns ``None`` in its
-  place: nothing of it stays on the device.
+  ``t(weight)`` a linear layer's input gradient needs), ``param_fetch_wait`` right before it and,
+  with ``"all"``, ``param_release`` after its last one. With ``"activations+params"`` it stays
+  resident to the end of the step (the user's own optimizer updates it on the device); the
+  forward's release then writes the device value back to the host master first (a copy exposed
+  on the device: the storage is freed only after it).
+* with ``"all"``, the parameter's gradient goes to host memory (``grad_to_host``, an
+  asynchronous device-to-host copy) right after the node that produces it (or after the
+  parameter's last backward reader, if that comes later: from then on the CPU optimizer may
+  update the parameter), and the backward returns ``None`` in its place. Its
+  ``grad_to_host_wait``, which keeps the device gradient alive until the copy is done, comes
+  after the fewest nodes whose compute covers that copy (at the latest before the output; right
+  after the ``grad_to_host`` when the windows are shrunk): the gradient's device memory counts
+  until there.
 
 **Working window.** A fetch is issued ``window_steps`` nodes before the reader, the fewest such
 that the cost model's compute time of those nodes covers the parameter's host-to-device copy
@@ -26,11 +32,13 @@ without. Per-parameter windows, the
 predicted peak and the host bytes are reported in :class:`ResidencyPlan`.
 
 ``plan`` is a pure function of liveness, costs and options. ``apply`` mutates the graphs: it
-inserts ``trinity::param_fetch`` / ``param_release`` / ``grad_to_host`` nodes (matched by op
-target elsewhere) and, with ``"all"``, replaces offloaded gradients in the backward's output by
-``None``. It reads ``node.meta["val"]`` only through the liveness analysis and writes
-``node.meta["trinity"]`` (a human-readable description) and ``node.meta["val"] = None`` on the
-nodes it inserts.
+inserts ``trinity::param_fetch`` / ``param_fetch_wait`` / ``param_release`` / ``grad_to_host`` /
+``grad_to_host_wait`` nodes (matched by op target elsewhere) and, with ``"all"``, replaces
+offloaded gradients in the backward's output by ``None``. It reads ``node.meta["val"]`` only
+through the liveness analysis and writes ``node.meta["trinity"]`` (a human-readable
+description), ``node.meta["val"] = None`` and, on the nodes that issue a copy,
+``node.meta["trinity_param_copy"] = (direction, bytes)`` (read by the dump's timeline
+simulation) on the nodes it inserts.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_pair import GraphPair
-from ..runtime.param_ops import GRAD_TO_HOST, PARAM_FETCH, PARAM_RELEASE
+from ..runtime.param_ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT, PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE
 from .cost_model import Costs
 from .liveness import Buffer, BufferKind, Liveness
 
@@ -66,8 +74,12 @@ class ParamResidency:
         bw_fetch_before / bw_release_after: backward fetch and release positions
             (``bw_release_after`` is ``None`` with ``"activations+params"``: resident to the end).
         fw_window_steps / bw_window_steps: how many nodes ahead of the first reader the fetch is.
-        grad_to_host_after: the step after which its gradient goes to host (``"all"``).
+        grad_to_host_after: the step after which its gradient copy to host is issued (``"all"``).
+        grad_buffer: the liveness buffer of that gradient.
         resident_steps: ``(first, last)`` inclusive intervals where its storage is on the device.
+        fw_wait_before / bw_wait_before: the ``param_fetch_wait`` positions (the first reader).
+        grad_wait_after: the step after which the ``grad_to_host_wait`` comes; the gradient's
+            device memory is live up to it.
     """
 
     slot: int
@@ -83,6 +95,9 @@ class ParamResidency:
     grad_to_host_after: int | None
     grad_buffer: int | None
     resident_steps: tuple[tuple[int, int], ...]
+    fw_wait_before: int | None = None
+    bw_wait_before: int | None = None
+    grad_wait_after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +156,16 @@ class ResidencyPlan:
         )
 
 
+def _grad_waits(params) -> dict[int, int]:
+    """Gradient buffer -> the step after its last ``grad_to_host_wait`` (several parameters'
+    gradients may be views of one buffer)."""
+    out: dict[int, int] = {}
+    for p in params:
+        if p.grad_wait_after is not None and p.grad_buffer is not None:
+            out[p.grad_buffer] = max(out.get(p.grad_buffer, -1), p.grad_wait_after)
+    return out
+
+
 def _lead(first_use: int, floor: int, nbytes: int, costs: Costs) -> int:
     """Fewest steps before ``first_use`` (not before ``floor``) whose compute covers the copy."""
     need = costs.transfer_seconds(nbytes, "h2d")
@@ -149,6 +174,17 @@ def _lead(first_use: int, floor: int, nbytes: int, costs: Costs) -> int:
         s -= 1
         acc += costs.step_seconds[s]
     return first_use - s
+
+
+def _trail(after: int, ceiling: int, nbytes: int, costs: Costs) -> int:
+    """The last step of the fewest steps after ``after`` (not past ``ceiling``) whose compute
+    covers the device-to-host copy of ``nbytes``."""
+    need = costs.transfer_seconds(nbytes, "d2h")
+    s, acc = after, 0.0
+    while s < ceiling and acc < need:
+        s += 1
+        acc += costs.step_seconds[s]
+    return s
 
 
 def plan(
@@ -216,7 +252,7 @@ def plan(
             first_real = next((s for s in range(num_fw) if not live.steps[s].is_placeholder), 0)
             bw_first_real = next((s for s in range(num_fw, last + 1) if not live.steps[s].is_placeholder), last)
             intervals = []
-            fw_fetch = fw_release = bw_fetch = bw_release = None
+            fw_fetch = fw_release = bw_fetch = bw_release = fw_wait = bw_wait = None
             fw_w = bw_w = 0
             if mode == "activations+params" and not bw_uses:
                 # The backward has no handle on it to fetch it back before the step ends (the
@@ -225,16 +261,16 @@ def plan(
             if fw_uses:
                 first, lastu = min(fw_uses), max(fw_uses)
                 fw_w = _lead(first, first_real, buf.size_bytes, costs) if use_windows else 0
-                fw_fetch, fw_release = max(first - fw_w, first_real), lastu
+                fw_fetch, fw_release, fw_wait = max(first - fw_w, first_real), lastu, first
                 start = 0 if mode == "activations+params" else fw_fetch
                 intervals.append((start, fw_release))
             if bw_uses:
                 first = min(bw_uses)
                 bw_w = _lead(first, bw_first_real, buf.size_bytes, costs) if use_windows else 0
-                bw_fetch = max(first - bw_w, bw_first_real)
+                bw_fetch, bw_wait = max(first - bw_w, bw_first_real), first
                 bw_release = max(bw_uses) if mode == "all" else None
                 intervals.append((bw_fetch, bw_release if bw_release is not None else last))
-            grad_after = grad_buffer = None
+            grad_after = grad_buffer = grad_wait = None
             if host_grad and index < len(bw_out) and isinstance(bw_out[index], fx.Node):
                 g = bw_out[index]
                 gstep = live.step_named("backward", g.name)
@@ -244,6 +280,13 @@ def plan(
                 # overlap="backward"), which a later fetch in this backward would read.
                 grad_after = max([gstep, *readers] + ([bw_release] if bw_release is not None else []))
                 grad_buffer = buffer_of_node.get("backward:" + g.name)
+                # The wait (which keeps the gradient alive) after the copy's time of compute; the
+                # last step before the backward's output at the latest.
+                grad_wait = (
+                    _trail(grad_after, last - 1, live.buffers[grad_buffer].size_bytes, costs)
+                    if use_windows and grad_buffer is not None
+                    else grad_after
+                )
             out.append(
                 ParamResidency(
                     slot=slot_id,
@@ -259,6 +302,9 @@ def plan(
                     grad_to_host_after=grad_after,
                     grad_buffer=grad_buffer,
                     resident_steps=tuple(intervals),
+                    fw_wait_before=fw_wait,
+                    bw_wait_before=bw_wait,
+                    grad_wait_after=grad_wait,
                 )
             )
         return out
@@ -271,10 +317,11 @@ def plan(
             for a, b in p.resident_steps:
                 diff[a] += p.nbytes
                 diff[b + 1] -= p.nbytes
-            if p.grad_to_host_after is not None and p.grad_buffer is not None:
-                gb = live.buffers[p.grad_buffer]
-                diff[p.grad_to_host_after + 1] -= gb.size_bytes
-                diff[live.num_steps] += gb.size_bytes
+        for gid, wait in _grad_waits(params).items():
+            # Freed after its (last) grad_to_host_wait instead of at the backward's end.
+            gb = live.buffers[gid]
+            diff[wait + 1] -= gb.size_bytes
+            diff[live.num_steps] += gb.size_bytes
         return base_live + np.cumsum(diff[:-1])
 
     params = build(use_windows)
@@ -302,9 +349,14 @@ def plan(
 
 
 def apply(
-    pair: GraphPair, the_plan: ResidencyPlan, step_nodes: Sequence[fx.Node], release: bool = True, backward: bool = True
+    pair: GraphPair,
+    the_plan: ResidencyPlan,
+    step_nodes: Sequence[fx.Node],
+    rt: int,
+    release: bool = True,
+    backward: bool = True,
 ) -> None:
-    """Insert the fetch, release and gradient nodes of ``the_plan`` into ``pair``.
+    """Insert the fetch, wait, release and gradient nodes of ``the_plan`` into ``pair``.
 
     Args:
         pair: the graphs (possibly already rewritten by ``insert_transfers``).
@@ -312,6 +364,8 @@ def apply(
         step_nodes: the node objects of the joint schedule as it was when planned (forward nodes
             then backward nodes); positions are relative to them, so nodes inserted since (the
             activation transfers) do not shift anything.
+        rt: the id of the :class:`~offload_compiler.runtime.transfer.TransferRuntime` whose copy
+            streams the parameter copies use.
         release: insert the forward's releases (``False``: fetch only, for a forward-only graph
             with ``"activations+params"``, whose parameters stay resident between steps).
         backward: rewrite the backward graph too.
@@ -324,12 +378,14 @@ def apply(
     bw_outs = list(bw_outs) if isinstance(bw_outs, (tuple, list)) else [bw_outs]
     fw_index = {n.name: i for i, n in enumerate(pair.forward.graph.find_nodes(op="placeholder"))}
 
-    def insert(graph: fx.Graph, where: fx.Node, before: bool, op, args, note: str) -> fx.Node:
+    def insert(graph: fx.Graph, where: fx.Node, before: bool, op, args, note: str, copy=None) -> fx.Node:
         ctx = graph.inserting_before(where) if before else graph.inserting_after(where)
         with ctx:
             n = graph.call_function(op, args)
         n.meta["trinity"] = note
         n.meta["val"] = None  # returns nothing (later analyses, e.g. the dump's simulation, read it)
+        if copy is not None:
+            n.meta["trinity_param_copy"] = copy
         return n
 
     for p in the_plan.params:
@@ -337,13 +393,27 @@ def apply(
         fg = pair.forward.graph
         mib = p.nbytes / 2**20
         if p.fw_fetch_before is not None:
+            wait_at = p.fw_wait_before if p.fw_wait_before is not None else p.fw_fetch_before
+            # With "activations+params" the parameter is resident when the forward starts: its
+            # fetch issues nothing (unless a forward without backward released it).
+            copies = the_plan.mode == "all"
             insert(
                 fg,
                 step_nodes[p.fw_fetch_before],
                 True,
                 PARAM_FETCH,
-                (ph, p.slot),
-                f"fetch parameter {p.placeholder} ({mib:.2f} MiB)",
+                (ph, p.slot, rt),
+                f"fetch parameter {p.placeholder} ({mib:.2f} MiB): H2D issued, "
+                f"{_nodes(wait_at - p.fw_fetch_before)} ahead of its first reader",
+                ("h2d", p.nbytes) if copies else None,
+            )
+            insert(
+                fg,
+                step_nodes[wait_at],
+                True,
+                PARAM_FETCH_WAIT,
+                (ph, p.slot, rt),
+                f"H2D of parameter {p.placeholder} done",
             )
             if release:
                 insert(
@@ -351,8 +421,10 @@ def apply(
                     step_nodes[p.fw_release_after],
                     False,
                     PARAM_RELEASE,
-                    (ph, p.slot, write_back),
-                    f"release parameter {p.placeholder}",
+                    (ph, p.slot, write_back, rt),
+                    f"release parameter {p.placeholder}"
+                    + (" (D2H write-back to its master first, exposed)" if write_back else ""),
+                    ("d2h", p.nbytes) if write_back else None,
                 )
         if not backward:
             continue
@@ -360,13 +432,24 @@ def apply(
             bg = pair.backward.graph
             alias = _backward_alias(pair, ph, p.buffer, step_nodes, num_fw)
             if p.bw_fetch_before is not None and alias is not None:
+                wait_at = p.bw_wait_before if p.bw_wait_before is not None else p.bw_fetch_before
                 insert(
                     bg,
                     step_nodes[p.bw_fetch_before],
                     True,
                     PARAM_FETCH,
-                    (alias, p.slot),
-                    f"fetch parameter {p.placeholder} for the backward",
+                    (alias, p.slot, rt),
+                    f"fetch parameter {p.placeholder} for the backward ({mib:.2f} MiB): H2D issued, "
+                    f"{_nodes(wait_at - p.bw_fetch_before)} ahead of its first reader",
+                    ("h2d", p.nbytes),
+                )
+                insert(
+                    bg,
+                    step_nodes[wait_at],
+                    True,
+                    PARAM_FETCH_WAIT,
+                    (alias, p.slot, rt),
+                    f"H2D of parameter {p.placeholder} done",
                 )
                 if p.bw_release_after is not None:
                     insert(
@@ -374,18 +457,28 @@ def apply(
                         step_nodes[p.bw_release_after],
                         False,
                         PARAM_RELEASE,
-                        (alias, p.slot, False),
+                        (alias, p.slot, False, rt),
                         f"release parameter {p.placeholder}",
                     )
             if p.grad_to_host_after is not None:
                 g = bw_outs[fw_index[p.placeholder]]
-                insert(
+                issue = insert(
                     bg,
                     step_nodes[p.grad_to_host_after],
                     False,
                     GRAD_TO_HOST,
-                    (g, p.slot),
-                    f"gradient of {p.placeholder} to host",
+                    (g, p.slot, rt),
+                    f"gradient of {p.placeholder} to host: D2H issued",
+                    ("d2h", p.nbytes),
+                )
+                wait_after = p.grad_wait_after if p.grad_wait_after is not None else p.grad_to_host_after
+                insert(
+                    bg,
+                    issue if wait_after <= p.grad_to_host_after else step_nodes[wait_after],
+                    False,
+                    GRAD_TO_HOST_WAIT,
+                    (g, p.slot, rt),
+                    f"D2H of the gradient of {p.placeholder} done; the device gradient is freed after this",
                 )
                 bw_outs[fw_index[p.placeholder]] = None
     if backward and any(p.grad_to_host_after is not None for p in the_plan.params):
@@ -393,6 +486,10 @@ def apply(
     for gm in (pair.forward, pair.backward) if backward else (pair.forward,):
         gm.graph.lint()
         gm.recompile()
+
+
+def _nodes(k: int) -> str:
+    return f"{k} node" if k == 1 else f"{k} nodes"
 
 
 def _backward_alias(pair: GraphPair, fw_placeholder: fx.Node, buffer: int, step_nodes, num_fw: int) -> fx.Node | None:
@@ -414,8 +511,8 @@ def activation_view(live: Liveness, the_plan: ResidencyPlan) -> Liveness:
     """``live`` as the activation planner should see it under ``the_plan``: each offloaded
     parameter's buffer counts only over its resident intervals (one synthetic buffer per
     interval, ids after the real ones), and a gradient sent to host stops counting after its
-    ``grad_to_host``. Saved-activation buffers keep their ids, so a plan made on the view applies
-    to the real graphs."""
+    ``grad_to_host_wait`` (its copy reads it until there). Saved-activation buffers keep their
+    ids, so a plan made on the view applies to the real graphs."""
     buffers = list(live.buffers)
     extra: list[Buffer] = []
     next_id = len(buffers)
@@ -429,83 +526,167 @@ def activation_view(live: Liveness, the_plan: ResidencyPlan) -> Liveness:
                 )
             )
             next_id += 1
-        if p.grad_buffer is not None and p.grad_to_host_after is not None:
-            g = buffers[p.grad_buffer]
-            buffers[p.grad_buffer] = replace(g, last_step=max(g.def_step, p.grad_to_host_after))
+    for gid, wait in _grad_waits(the_plan.params).items():
+        g = buffers[gid]
+        buffers[gid] = replace(g, last_step=max(g.def_step, wait))
     return replace(live, buffers=tuple(buffers + extra))
 
 
 def copy_tasks(the_plan: ResidencyPlan, costs: Costs, first_id: int = 0) -> list:
-    """The simulator's copy tasks of ``the_plan`` (ids from ``first_id``): per parameter fetch,
-    an H2D copy issued at the fetch and waited for at its first reader; per write-back
-    (``"activations+params"``), a D2H copy waited for where the storage is freed; per gradient
-    sent to host, a D2H copy issued after the gradient is made and waited for at the step's end.
+    """The simulator's copy tasks of ``the_plan`` (ids from ``first_id``), at the positions the
+    rewritten graphs issue and wait for them (positions as in :mod:`.simulate`: ``p`` is the gap
+    before step ``p``):
 
-    The model is of the design (copies on the copy streams); see the README's limits for the
-    runtime's synchronous parameter copies.
+    * per fetch that copies (every backward fetch; forward fetches with ``"all"``), an H2D copy
+      issued at the ``param_fetch`` (the working window ahead) and waited for at the
+      ``param_fetch_wait`` right before the first reader;
+    * per write-back (``"activations+params"``), a D2H copy issued and waited for where the
+      storage is freed (exposed);
+    * per gradient sent to host, a D2H copy issued after the node that makes it (or the
+      parameter's last backward reader) and waited for at its ``grad_to_host_wait``.
     """
     from .simulate import CopyTask
 
     tasks = []
-    n = the_plan.num_steps
 
     def add(direction, nbytes, issue, wait):
         tasks.append(CopyTask(first_id + len(tasks), direction, costs.transfer_seconds(nbytes, direction), issue, wait))
 
     for p in the_plan.params:
         if p.fw_fetch_before is not None and the_plan.mode == "all":
-            add("h2d", p.nbytes, p.fw_fetch_before, p.fw_fetch_before + p.fw_window_steps)
+            wait = p.fw_wait_before if p.fw_wait_before is not None else p.fw_fetch_before
+            add("h2d", p.nbytes, p.fw_fetch_before, wait)
         if p.fw_release_after is not None and the_plan.mode == "activations+params":
             add("d2h", p.nbytes, p.fw_release_after + 1, p.fw_release_after + 1)
         if p.bw_fetch_before is not None:
-            add("h2d", p.nbytes, p.bw_fetch_before, min(n, p.bw_fetch_before + p.bw_window_steps))
+            wait = p.bw_wait_before if p.bw_wait_before is not None else p.bw_fetch_before
+            add("h2d", p.nbytes, p.bw_fetch_before, wait)
         if p.grad_to_host_after is not None:
-            add("d2h", p.nbytes, p.grad_to_host_after + 1, n)
+            wait = p.grad_wait_after if p.grad_wait_after is not None else p.grad_to_host_after
+            add("d2h", p.nbytes, p.grad_to_host_after + 1, wait + 1)
     return tasks
 
 
 def check(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:
-    """Invariants of a rewritten pair: no node reads an offloaded parameter's storage (any view
-    of it) while it is released, in either graph; every release follows a fetch. Returns the
-    violations (empty when none).
+    """Invariants of a rewritten pair. Returns the violations (empty when none):
+
+    * no node reads an offloaded parameter's storage (any view of it) while it is released, nor
+      between its ``param_fetch`` and that fetch's ``param_fetch_wait`` (the copy may still be
+      writing it);
+    * every ``param_fetch`` has exactly one ``param_fetch_wait`` of the same slot and storage
+      after it, before any release or other fetch of that slot; every wait follows a fetch;
+      every release follows a fetch's wait;
+    * every ``grad_to_host`` has exactly one ``grad_to_host_wait`` of the same slot and gradient
+      later in the backward (it keeps the gradient alive while the copy reads it).
 
     A parameter is resident at the start of the forward with ``"activations+params"`` and
-    released with ``"all"``; the backward starts with whatever the forward left.
+    released with ``"all"``; the backward starts with whatever the forward left. Nodes are
+    matched by op target.
     """
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    RELEASED, FETCHING, RESIDENT = "released", "fetching", "resident"
     errors: list[str] = []
     by_slot = {p.slot: p for p in the_plan.params}
-    resident = {p.slot: the_plan.mode == "activations+params" for p in the_plan.params}
+    state = {p.slot: RESIDENT if the_plan.mode == "activations+params" else RELEASED for p in the_plan.params}
+
+    def name_of(slot) -> str:
+        return by_slot[slot].placeholder if slot in by_slot else f"slot {slot}"
+
+    def storage_of(node) -> StorageWeakRef | None:
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
+
     for graph_name, gm in (("forward", pair.forward), ("backward", pair.backward)):
         storage_slot: dict = {}
         for n in gm.graph.nodes:
-            if n.op == "call_function" and n.target in (PARAM_FETCH, PARAM_RELEASE):
-                slot = n.args[1]
-                val = n.args[0].meta.get("val")
-                if val is not None:
-                    storage_slot[StorageWeakRef(val.untyped_storage())] = slot
+            if n.op == "call_function" and n.target in (PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE):
+                st = storage_of(n.args[0])
+                if st is not None:
+                    storage_slot[st] = n.args[1]
+        fetch_of: dict = {}  # slot -> the fetch node waiting for its wait
+        grad_issue: dict = {}  # slot -> the grad_to_host node waiting for its wait
         for n in gm.graph.nodes:
             if n.op == "call_function" and n.target is PARAM_FETCH:
-                resident[n.args[1]] = True
+                slot = n.args[1]
+                if state.get(slot) == FETCHING:
+                    errors.append(
+                        f"{graph_name}: {n.name} fetches parameter {name_of(slot)} again before the wait of "
+                        f"{fetch_of[slot].name}"
+                    )
+                state[slot] = FETCHING
+                fetch_of[slot] = n
+                continue
+            if n.op == "call_function" and n.target is PARAM_FETCH_WAIT:
+                slot = n.args[1]
+                if state.get(slot) != FETCHING:
+                    # The state stays as it was (a released parameter's readers are reported).
+                    errors.append(f"{graph_name}: {n.name} waits for a fetch of {name_of(slot)} that was not issued")
+                    continue
+                if storage_of(n.args[0]) != storage_of(fetch_of[slot].args[0]):
+                    errors.append(
+                        f"{graph_name}: {n.name} waits on another storage than its fetch {fetch_of[slot].name}"
+                    )
+                state[slot] = RESIDENT
+                fetch_of.pop(slot)
                 continue
             if n.op == "call_function" and n.target is PARAM_RELEASE:
-                if not resident[n.args[1]]:
-                    errors.append(f"{graph_name}: {n.name} releases slot {n.args[1]} that is not resident")
-                resident[n.args[1]] = False
+                slot = n.args[1]
+                if state.get(slot) == FETCHING:
+                    errors.append(
+                        f"{graph_name}: {n.name} releases parameter {name_of(slot)} before the wait of its fetch "
+                        f"{fetch_of[slot].name}"
+                    )
+                    fetch_of.pop(slot, None)
+                elif state.get(slot) != RESIDENT:
+                    errors.append(f"{graph_name}: {n.name} releases slot {slot} that is not resident")
+                state[slot] = RELEASED
+                continue
+            if n.op == "call_function" and n.target is GRAD_TO_HOST:
+                slot = n.args[1]
+                if slot in grad_issue:
+                    errors.append(
+                        f"{graph_name}: {n.name} sends the gradient of {name_of(slot)} to host again before the "
+                        f"wait of {grad_issue[slot].name}"
+                    )
+                grad_issue[slot] = n
+                continue
+            if n.op == "call_function" and n.target is GRAD_TO_HOST_WAIT:
+                slot = n.args[1]
+                issue = grad_issue.pop(slot, None)
+                if issue is None:
+                    errors.append(
+                        f"{graph_name}: {n.name} waits for a gradient copy of {name_of(slot)} that was not issued"
+                    )
+                elif n.args[0] is not issue.args[0]:
+                    errors.append(
+                        f"{graph_name}: {n.name} keeps {n.args[0]} alive, not the gradient {issue.args[0]} that "
+                        f"{issue.name} copies"
+                    )
                 continue
             if n.op in ("placeholder", "output"):
                 continue
             for m in n.all_input_nodes:
-                val = m.meta.get("val")
-                if not isinstance(val, torch.Tensor):
+                st = storage_of(m)
+                slot = storage_slot.get(st) if st is not None else None
+                if slot is None or state.get(slot) == RESIDENT or _metadata_only(n):
                     continue
-                slot = storage_slot.get(StorageWeakRef(val.untyped_storage()))
-                if slot is not None and not resident[slot] and not _metadata_only(n):
+                if state.get(slot) == FETCHING:
                     errors.append(
-                        f"{graph_name}: {n.name} reads parameter {by_slot[slot].placeholder} (via {m.name}) "
-                        "while it is released"
+                        f"{graph_name}: {n.name} reads parameter {name_of(slot)} (via {m.name}) before the wait of "
+                        f"its fetch {fetch_of[slot].name}"
                     )
+                else:
+                    errors.append(
+                        f"{graph_name}: {n.name} reads parameter {name_of(slot)} (via {m.name}) while it is released"
+                    )
+        for slot, f in fetch_of.items():
+            errors.append(f"{graph_name}: fetch {f.name} of parameter {name_of(slot)} has no param_fetch_wait")
+            state[slot] = RESIDENT  # do not report every later reader again
+        for slot, g in grad_issue.items():
+            errors.append(
+                f"{graph_name}: {g.name} (gradient of {name_of(slot)} to host) has no grad_to_host_wait"
+            )
     return errors
 
 

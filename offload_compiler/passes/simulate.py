@@ -309,7 +309,11 @@ def simulate_pair(pair, spec, assume_fusion: bool = False, pinned: bool = True) 
 
     Copies are read from the graphs by op target: each ``trinity::evict`` issues a D2H copy of its
     tensor's bytes, waited for at its ``evict_wait``; each ``trinity::prefetch`` an H2D copy,
-    waited for at its ``prefetch_wait``. Compute times come from the cost model, live bytes from
+    waited for at its ``prefetch_wait``. With parameter offload (one compute stream), the
+    parameter ops that copy (``node.meta["trinity_param_copy"]``, set by
+    ``param_residency.apply``) too: a ``param_fetch`` waited for at the next ``param_fetch_wait``
+    of its slot, a ``grad_to_host`` at the next ``grad_to_host_wait`` of its slot, a write-back
+    ``param_release`` where it is. Compute times come from the cost model, live bytes from
     liveness, both on the rewritten graphs.
     """
     from ..runtime.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
@@ -342,6 +346,7 @@ def simulate_pair(pair, spec, assume_fusion: bool = False, pinned: bool = True) 
     from .happens_before import has_streams
 
     if not (has_streams(pair.forward) or has_streams(pair.backward)):
+        _param_copy_tasks(nodes, index, costs, tasks, names)
         timeline = simulate(costs.step_seconds, tasks)
         return PairTimeline(
             timeline, step_names, tuple(costs.step_seconds), tuple(int(b) for b in live.live_bytes()), tuple(names)
@@ -381,3 +386,28 @@ def simulate_pair(pair, spec, assume_fusion: bool = False, pinned: bool = True) 
         tuple(names),
         tuple(n.meta.get(STREAM_KEY, 0) for n in nodes),
     )
+
+
+def _param_copy_tasks(nodes, index, costs, tasks: list, names: list) -> None:
+    """Append the copies of the parameter ops among ``nodes`` (see :func:`simulate_pair`)."""
+    from ..runtime.param_ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT, PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE
+
+    wait_of = {PARAM_FETCH: PARAM_FETCH_WAIT, GRAD_TO_HOST: GRAD_TO_HOST_WAIT}
+    for i, n in enumerate(nodes):
+        copy = n.meta.get("trinity_param_copy") if n.op == "call_function" else None
+        if copy is None or n.target not in (PARAM_FETCH, GRAD_TO_HOST, PARAM_RELEASE):
+            continue
+        direction, nbytes = copy
+        wait_pos = index[n]
+        if n.target in wait_of:
+            wait_pos = next(
+                (
+                    index[m]
+                    for m in nodes[i + 1 :]
+                    if m.graph is n.graph and m.op == "call_function" and m.target is wait_of[n.target]
+                    and m.args[1] == n.args[1]
+                ),
+                len(nodes),
+            )  # fmt: skip
+        tasks.append(CopyTask(len(tasks), direction, costs.transfer_seconds(nbytes, direction), index[n], wait_pos))
+        names.append(f"{n.target._schema.name.split('::')[1]} {n.name} ({nbytes} bytes)")

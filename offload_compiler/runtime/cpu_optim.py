@@ -50,6 +50,12 @@ therefore holds Dynamo's compile lock (``torch._dynamo.convert_frame.compile_loc
 that flag is set) while it runs an update: a compile on the main thread waits for the chunk in
 progress, and a chunk waits for a compile in progress.
 
+The graph's parameter copies are asynchronous (see :mod:`.model_state`): before updating a
+chunk, the worker waits on the host for the copies that still read its masters (a fetch issued
+by the graph) and for its gradients' copies to the host (adding staged gradients); ``step()``
+itself does not wait for them. ``synchronize()`` (so ``clip_grad_norm_``, ``state_dict``) and
+``host_grads()`` complete the gradient copies first.
+
 The user's loop stays ``loss.backward(); opt.step(); opt.zero_grad()``; gradient clipping is
 ``opt.clip_grad_norm_(max_norm)`` (``torch.nn.utils.clip_grad_norm_`` on the host gradients:
 with ``"all"`` the device parameters' ``.grad`` stays ``None``).
@@ -338,6 +344,12 @@ class CPUOptimizer:
             self, chunk = item
             try:
                 if self._error is None:
+                    for s in chunk.slots:
+                        # The graph's copies are asynchronous: no update of a master an H2D copy
+                        # still reads, nor from a host gradient whose D2H copy (or staged add) is
+                        # not done.
+                        s.sync_master_copies()
+                        s.finish_grad()
                     # No Dynamo compile may run meanwhile: it sets the process-wide
                     # is_compiling() flag that torch.optim reads (module docstring).
                     with self._compile_lock:
@@ -355,16 +367,29 @@ class CPUOptimizer:
             del self, chunk, item
 
     def synchronize(self) -> None:
-        """Wait until every update handed to the worker is done.
+        """Wait until every update handed to the worker is done and every gradient copied to
+        the host by the graphs is complete in the host gradients.
 
         Raises:
             RuntimeError: when an update failed (the worker's exception is the cause).
         """
+        self._wait_worker()
+        self._finish_grads()
+
+    def _wait_worker(self) -> None:
+        """Wait for the updates handed to the worker; re-raise the first failure."""
         with self._cv:
             while self._pending:
                 self._cv.wait()
         if self._error is not None:
             raise RuntimeError("CPUOptimizer: an update on the worker thread failed") from self._error
+
+    def _finish_grads(self) -> None:
+        """Complete the gradient copies in flight (and staged adds) of every parameter."""
+        for p in self._params:
+            s = slot_of(p)
+            if s is not None and s.grad is not None:
+                s.finish_grad()
 
     # ------------------------------------------------------------------ the optimizer interface
     def step(self, closure=None) -> None:
@@ -379,7 +404,9 @@ class CPUOptimizer:
         if closure is not None:
             raise ValueError("CPUOptimizer.step: closures are not supported")
         if self.overlap == "forward" or self._chunks is None:
-            self.synchronize()
+            # Not synchronize(): the worker waits for the gradient copies itself, so step()
+            # does not block on the backward's last copies.
+            self._wait_worker()
         elif self._error is not None:
             raise RuntimeError("CPUOptimizer: an update on the worker thread failed") from self._error
         if self.overlap == "backward":
@@ -418,14 +445,18 @@ class CPUOptimizer:
                 continue
             s.num_grads = 0
             if set_to_none:
+                # A gradient copy still in flight is completed by the next gradient's copy or
+                # the worker, before anything reads the host gradient again.
                 s.grad_valid = False
             else:
                 s.wait_ready()
+                s.finish_grad()  # no copy into the host gradient may land after the zeroing
                 s.grad.zero_()
                 s.grad_valid = True
 
     def host_grads(self) -> list[torch.Tensor | None]:
         """The host gradients, in parameter order (``None`` where there is none this step)."""
+        self._finish_grads()
         out = []
         for p in self._params:
             s = slot_of(p)

@@ -8,7 +8,8 @@ its storage is resized: ``untyped_storage().resize_(0)`` frees the device memory
 of the parameter (saved views included) stays valid, pointing at the same storage, which
 :meth:`ParamSlot.fetch` re-allocates and fills from the master copy.
 
-State machine of one slot (``resident`` is "the device storage is allocated and current"):
+State machine of one slot (``resident`` is "the device storage is allocated and current, or
+being made current by a fetch copy in flight"):
 
 * ``fetch()``: wait for a pending optimizer update of this parameter; if not resident, allocate
   the storage and copy master -> device. A no-op when resident.
@@ -16,6 +17,28 @@ State machine of one slot (``resident`` is "the device storage is allocated and 
   device copy was the current one, e.g. a user optimizer stepped it), then free the storage.
 * ``add_grad(g)``: copy (first micro-step after ``zero_grad``) or add ``g`` into the host
   gradient.
+
+Inside a compiled graph (the ``trinity::param_*`` ops) these take the graph's
+:class:`~offload_compiler.runtime.transfer.TransferRuntime` and copy **asynchronously** on its
+copy streams (on the CPU: synchronously, or deferred under fault injection); the graph orders
+them explicitly:
+
+* ``fetch(runtime)`` issues the H2D copy (after the compute stream's work so far) and returns;
+  ``fetch_wait(runtime)`` (``trinity::param_fetch_wait``, before the first reader) makes the
+  compute stream wait for it.
+* ``release(write_back, runtime)`` issues the D2H write-back and makes the compute stream wait
+  for it before the storage is freed: non-blocking for the host, but the copy is exposed on the
+  device (the free is ordered after it without ``record_stream``).
+* ``add_grad(g, runtime)`` issues the D2H copy of ``g`` into the host gradient, or, when
+  accumulating (or when ``g``'s layout differs), into a staging block of the runtime's pool whose
+  add into the host gradient runs on the host later; ``trinity::grad_to_host_wait`` (which keeps
+  ``g`` alive up to there) makes the compute stream wait for the copy before ``g`` is freed.
+
+Host-side hazards are the slot's: the copies in flight are remembered as handles (CUDA events;
+the deferred copies under fault injection) whose ``synchronize()`` is the host-side wait.
+:meth:`ParamSlot.sync_master_copies` waits for the copies that read or write the master (before
+the CPU optimizer writes it or the host reads it), :meth:`ParamSlot.finish_grad` for the gradient
+copy, adding a staged gradient (before anything reads or writes the host gradient on the host).
 
 The slot is found from the graph through an integer id (:func:`get_slot`, a weak registry), and
 from the parameter through the attribute ``_trinity_slot`` (:func:`slot_of`), so it lives exactly
@@ -54,6 +77,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from .pool import HostPool
+from .transfer import flat_bytes
 
 __all__ = [
     "ParamSlot",
@@ -81,6 +105,22 @@ if _MARK_RELEASED is None or _UNMARK_RELEASED is None:
 _ids = itertools.count(1)
 _registry: weakref.WeakValueDictionary[int, ParamSlot] = weakref.WeakValueDictionary()
 _registry_lock = threading.Lock()
+
+
+def fetch_key(slot_id: int) -> tuple:
+    """The transfer runtime's pending-copy key of a parameter's fetch copy (a tuple: never equal
+    to an activation copy's integer key)."""
+    return ("param", slot_id)
+
+
+def grad_key(slot_id: int) -> tuple:
+    """The transfer runtime's pending-copy key of a parameter's gradient copy."""
+    return ("grad", slot_id)
+
+
+def write_back_key(slot_id: int) -> tuple:
+    """The transfer runtime's pending-copy key of a parameter's write-back copy."""
+    return ("write_back", slot_id)
 
 
 def _flat(storage: torch.UntypedStorage, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -129,6 +169,12 @@ class ParamSlot:
         self.num_fetches = 0
         self.num_releases = 0
         self.num_write_backs = 0
+        # Device copies issued by a compiled graph (handles: CUDA events, or deferred copies under
+        # fault injection; synchronize() is the host-side wait). See the module docstring.
+        self.h2d = None  # the latest copy reading the master (a fetch)
+        self.d2h = None  # the latest copy writing the master (a write-back)
+        self.unwaited_fetch: tuple | None = None  # (handle, keep-alive) of a fetch not yet waited for
+        self._grad_copy: tuple | None = None  # (handle, staging block or None, "add" | "copy" | None)
         self.lock = threading.Lock()
         with _registry_lock:
             self.id = next(_ids)
@@ -208,28 +254,75 @@ class ParamSlot:
         if self.error is not None:
             raise RuntimeError(f"trinity: the CPU optimizer failed updating slot {self.id}") from self.error
 
-    def fetch(self) -> None:
-        """Make the device storage hold the current value (see the module docstring)."""
+    def fetch(self, runtime=None) -> None:
+        """Make the device storage hold the current value (see the module docstring).
+
+        Args:
+            runtime: the compiled graph's ``TransferRuntime`` (``trinity::param_fetch``): the
+                copy is issued on its H2D copy stream under :func:`fetch_key` and
+                waited for by :meth:`fetch_wait`. ``None`` (``materialized``, the state-dict
+                hooks): the copy is done when this returns.
+        """
         self.wait_ready()
         with self.lock:
             if self.resident:
+                if self.unwaited_fetch is not None:
+                    # A fetch whose wait never ran (an exception in between): this fetch's wait
+                    # (or, without a runtime, this call) waits for it.
+                    if runtime is not None:
+                        runtime.adopt(fetch_key(self.id), *self.unwaited_fetch)
+                    else:
+                        _device_wait(self.unwaited_fetch[0], self.device)
+                        self.unwaited_fetch = None
                 return
             storage = self._param().untyped_storage()
             if _UNMARK_RELEASED is not None:
                 _UNMARK_RELEASED(storage._cdata)
-            storage.resize_(self.nbytes)
-            _flat(storage, self.nbytes, self.device).copy_(self._master_bytes)
+            storage.resize_(self.nbytes)  # allocated on the compute stream
+            dst = _flat(storage, self.nbytes, self.device)
+            if runtime is None:
+                dst.copy_(self._master_bytes)
+            else:
+                handle = runtime.copy_async(fetch_key(self.id), self._master_bytes, dst, "h2d")
+                if handle is not None:
+                    self.h2d = handle
+                    self.unwaited_fetch = (handle, (self._master_bytes.untyped_storage(), storage))
             self.resident = True
             self.num_fetches += 1
 
-    def release(self, write_back: bool) -> None:
-        """Free the device storage; with ``write_back`` copy it into the master first."""
+    def fetch_wait(self, runtime) -> None:
+        """The compute stream waits for this slot's fetch copy issued through ``runtime`` (a
+        no-op when the fetch issued nothing); non-blocking for the host."""
+        runtime.wait_key(fetch_key(self.id))
+        self.unwaited_fetch = None
+
+    def release(self, write_back: bool, runtime=None) -> None:
+        """Free the device storage; with ``write_back`` copy it into the master first.
+
+        Args:
+            write_back: copy device -> master before freeing.
+            runtime: the compiled graph's ``TransferRuntime`` (``trinity::param_release``): the
+                write-back runs on its D2H copy stream and the compute stream waits for it before
+                the free (exposed on the device, non-blocking for the host). ``None``: synchronous.
+        """
         with self.lock:
             if not self.resident:
                 return
+            if self.unwaited_fetch is not None:
+                # Never in a verified graph (the wait comes first); the storage must not be freed
+                # while a copy still writes it.
+                _device_wait(self.unwaited_fetch[0], self.device)
+                self.unwaited_fetch = None
             storage = self._param().untyped_storage()
             if write_back:
-                self._master_bytes.copy_(_flat(storage, self.nbytes, self.device))
+                src = _flat(storage, self.nbytes, self.device)
+                if runtime is None:
+                    self._master_bytes.copy_(src)
+                else:
+                    handle = runtime.copy_async(write_back_key(self.id), src, self._master_bytes, "d2h")
+                    runtime.wait_key(write_back_key(self.id))  # the free below is ordered after the copy
+                    if handle is not None:
+                        self.d2h = handle
                 self.num_write_backs += 1
             storage.resize_(0)
             if _MARK_RELEASED is not None:
@@ -237,9 +330,18 @@ class ParamSlot:
             self.resident = False
             self.num_releases += 1
 
-    def add_grad(self, g: torch.Tensor) -> None:
+    def add_grad(self, g: torch.Tensor, runtime=None) -> None:
         """Accumulate the device gradient ``g`` (same shape as the parameter) into the host one,
         then tell the owning ``CPUOptimizer`` (if any) that it arrived.
+
+        Args:
+            g: the gradient.
+            runtime: the compiled graph's ``TransferRuntime`` (``trinity::grad_to_host``): the
+                copy is issued on its D2H copy stream under :func:`grad_key`, into
+                the host gradient (first micro-step after ``zero_grad``, same layout) or into a
+                staging block of the runtime's pool that :meth:`finish_grad` adds (or copies) into
+                the host gradient; ``g`` must stay alive until ``trinity::grad_to_host_wait``.
+                ``None``: synchronous.
 
         Raises:
             RuntimeError: when the slot has no host gradient, when a pending update failed, or
@@ -249,16 +351,83 @@ class ParamSlot:
         if self.grad is None:
             raise RuntimeError(f"trinity: slot {self.id} has no host gradient (offload='all' allocates it)")
         self.wait_ready()
-        if self.grad_valid:
-            self.grad.add_(g.to(self.grad.device))
-            self.num_grads += 1
+        if runtime is None or not runtime.async_copies:
+            if self.grad_valid:
+                self.grad.add_(g.to(self.grad.device))
+                self.num_grads += 1
+            else:
+                self.grad.copy_(g)
+                self.grad_valid = True
+                self.num_grads = 1
         else:
-            self.grad.copy_(g)
+            self.finish_grad()  # the previous micro-step's gradient first: adds stay in order
+            runtime.reap_staged()  # other staged gradients whose copies are done
+            accumulate = self.grad_valid
+            same_layout = (
+                tuple(g.shape) == tuple(self.grad.shape)
+                and tuple(g.stride()) == tuple(self.grad.stride())
+                and g.dtype == self.grad.dtype
+            )
+            staging = runtime.staging(g) if accumulate or not same_layout else None
+            dst = self.grad if staging is None else staging
+            handle = runtime.copy_async(grad_key(self.id), flat_bytes(g), flat_bytes(dst), "d2h", host_block=staging)
+            mode = "add" if accumulate else ("copy" if staging is not None else None)
+            with self.lock:
+                self._grad_copy = (handle, staging, mode)
+            if staging is not None:
+                runtime.note_staged(self)
+            self.num_grads = self.num_grads + 1 if accumulate else 1
             self.grad_valid = True
-            self.num_grads = 1
         owner = self.owner()
         if owner is not None:
             owner._grad_arrived(self)  # counts backwards; overlap="backward" may start an update
+
+    def finish_grad(self, block: bool = True) -> bool:
+        """Complete the gradient copy in flight, if any: wait for it on the host and, when it
+        went to a staging block, add (or copy) that into the host gradient. Call it before the
+        host reads or writes the host gradient (the CPU optimizer, ``host_grads``, clipping,
+        ``zero_grad``). Thread-safe.
+
+        Args:
+            block: ``False``: only if the copy has completed already (never waits).
+
+        Returns:
+            Whether no gradient copy is pending any more.
+        """
+        with self.lock:
+            pending = self._grad_copy
+            if pending is None:
+                return True
+            handle, staging, mode = pending
+            if handle is not None:
+                if not block and not handle.query():
+                    return False
+                handle.synchronize()
+            if mode == "add":
+                self.grad.add_(staging)
+            elif mode == "copy":
+                self.grad.copy_(staging)
+            self._grad_copy = None
+            return True
+
+    def sync_master_copies(self) -> None:
+        """Block until the device copies issued so far that read the master (fetches) or write
+        it (write-backs) are done: before the host writes the master (the CPU optimizer's
+        update) or reads it (``state_dict``)."""
+        for handle in (self.h2d, self.d2h):
+            if handle is not None:
+                handle.synchronize()
+
+
+def _device_wait(handle, device: torch.device) -> None:
+    """The current stream of ``device`` waits for a copy handle (a CUDA event); a deferred copy
+    (fault injection) runs now."""
+    if handle is None:
+        return
+    if isinstance(handle, torch.cuda.Event):
+        torch.cuda.current_stream(device).wait_event(handle)
+    else:
+        handle.synchronize()
 
 
 def get_slot(slot_id: int) -> ParamSlot:
@@ -352,6 +521,7 @@ def _state_dict_post_hook(mod: torch.nn.Module, state_dict, prefix: str, local_m
         if slot is None or key not in state_dict or state_dict[key] is p:
             continue
         slot.wait_ready()
+        slot.sync_master_copies()
         if not slot.resident:
             state_dict[key] = slot.master.detach()
 

@@ -24,7 +24,7 @@ import torch
 from .pool import HostPool, HostPoolStats
 from .streams import ComputeStreams, CopyStreams
 
-__all__ = ["FaultInjection", "TransferRuntime", "TransferStats", "get_runtime", "span_bytes"]
+__all__ = ["FaultInjection", "TransferRuntime", "TransferStats", "get_runtime", "span_bytes", "flat_bytes"]
 
 _ids = itertools.count(1)
 _registry: weakref.WeakValueDictionary[int, TransferRuntime] = weakref.WeakValueDictionary()
@@ -41,7 +41,7 @@ def span_bytes(size: tuple[int, ...], stride: tuple[int, ...], itemsize: int) ->
     return span * itemsize
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of the bytes ``t`` spans, starting at its first element."""
     n = span_bytes(tuple(t.shape), tuple(t.stride()), t.element_size())
     flat = torch.empty(0, dtype=torch.uint8, device=t.device)
@@ -69,7 +69,9 @@ class FaultInjection:
 
 @dataclass(frozen=True)
 class TransferStats:
-    """Counters of one runtime since it was created (bytes are view bytes, not block bytes)."""
+    """Counters of one runtime since it was created (bytes are view bytes, not block bytes;
+    ``bytes_d2h``/``bytes_h2d`` include the parameter copies of parameter offload, the copy
+    counts do not; ``pending_copies`` counts both)."""
 
     num_evicts: int
     num_prefetches: int
@@ -94,9 +96,11 @@ class _Pending:
 class _Deferred:
     """Fault injection: a copy that has not happened yet. It holds its source and destination
     weakly: a source freed before the copy runs leaves the destination poisoned, as a real copy
-    from freed memory would leave it wrong. ``query()`` makes it usable as a pool block's event."""
+    from freed memory would leave it wrong. ``query()`` makes it usable as a pool block's event;
+    ``synchronize()`` (a host-side wait, as on a CUDA event) runs it. Thread-safe: the CPU
+    optimizer's worker may complete a parameter copy while the graph's thread waits for it."""
 
-    __slots__ = ("src", "src_offset", "dst", "dst_offset", "nbytes", "done")
+    __slots__ = ("src", "src_offset", "dst", "dst_offset", "nbytes", "done", "lock")
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, nbytes: int):
         self.src = weakref.ref(src.untyped_storage())
@@ -105,9 +109,13 @@ class _Deferred:
         self.dst_offset = dst.storage_offset() * dst.element_size()
         self.nbytes = nbytes
         self.done = False
+        self.lock = threading.Lock()
 
     def query(self) -> bool:
         return self.done
+
+    def synchronize(self) -> None:
+        self.run()
 
     def orphaned(self, pool: HostPool) -> bool:
         """Whether nothing can ever read this copy's result: its source or destination is gone,
@@ -117,14 +125,20 @@ class _Deferred:
         return src is None or dst is None or pool.is_unused_block(dst)
 
     def run(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        src, dst = self.src(), self.dst()
-        if src is None or dst is None:
-            return
-        flat = lambda storage, offset: torch.empty(0, dtype=torch.uint8).set_(storage, offset, (self.nbytes,), (1,))  # noqa: E731
-        flat(dst, self.dst_offset).copy_(flat(src, self.src_offset))
+        with self.lock:
+            if self.done:
+                return
+            self.done = True
+            src, dst = self.src(), self.dst()
+            if src is None or dst is None:
+                return
+            end = self.nbytes
+            if src.nbytes() < self.src_offset + end or dst.nbytes() < self.dst_offset + end:
+                # A storage resized to 0 since (a parameter released before the wait of its
+                # fetch): a real copy would have read or written freed memory; nothing is copied.
+                return
+            flat = lambda storage, offset: torch.empty(0, dtype=torch.uint8).set_(storage, offset, (end,), (1,))  # noqa: E731
+            flat(dst, self.dst_offset).copy_(flat(src, self.src_offset))
 
 
 class TransferRuntime:
@@ -164,6 +178,7 @@ class TransferRuntime:
         )
         self._pending: dict[int, _Pending] = {}
         self._deferred: dict[int, _Deferred] = {}
+        self._staged: list = []  # parameter slots with a gradient copy into a staging block
         self._lock = threading.Lock()
         self._evicts = 0
         self._prefetches = 0
@@ -182,12 +197,12 @@ class TransferRuntime:
         host = self.pool.empty_strided(tuple(src.shape), tuple(src.stride()), src.dtype)
         nbytes = span_bytes(tuple(src.shape), tuple(src.stride()), src.element_size())
         if self.faults is not None:
-            _flat_bytes(host).fill_(0xFF)
+            flat_bytes(host).fill_(0xFF)
             if nbytes:
                 self._defer(host, src, host, nbytes)
         elif nbytes:
             with self.streams.start_on(self.streams.d2h):
-                _flat_bytes(host).copy_(_flat_bytes(src), non_blocking=self.streams.enabled)
+                flat_bytes(host).copy_(flat_bytes(src), non_blocking=self.streams.enabled)
             event = self.streams.record(self.streams.d2h)
             if event is not None:
                 # The copy writes the host block: no reuse before it is done, even if an
@@ -212,12 +227,12 @@ class TransferRuntime:
         dev = torch.empty_strided(tuple(host.shape), tuple(host.stride()), dtype=host.dtype, device=device)
         nbytes = span_bytes(tuple(host.shape), tuple(host.stride()), host.element_size())
         if self.faults is not None:
-            _flat_bytes(dev).fill_(0xFF)
+            flat_bytes(dev).fill_(0xFF)
             if nbytes:
                 self._defer(dev, host, dev, nbytes)
         elif nbytes:
             with self.streams.start_on(self.streams.h2d):
-                _flat_bytes(dev).copy_(_flat_bytes(host), non_blocking=self.streams.enabled)
+                flat_bytes(dev).copy_(flat_bytes(host), non_blocking=self.streams.enabled)
             event = self.streams.record(self.streams.h2d)
             if event is not None:
                 # The host block may be dropped right after this call; keep it from reuse until
@@ -239,7 +254,13 @@ class TransferRuntime:
     def _wait(self, dst: torch.Tensor) -> None:
         """The compute stream waits for the copy into ``dst`` (keyed by its storage); under
         fault injection, that deferred copy runs now."""
-        key = dst.untyped_storage().data_ptr()
+        self.wait_key(dst.untyped_storage().data_ptr())
+
+    def wait_key(self, key) -> None:
+        """The compute stream waits for the copy registered under ``key`` (a storage's address
+        for activation copies, a ``(kind, slot id)`` tuple for parameter copies); under fault
+        injection that deferred copy runs now. Non-blocking for the host; a no-op when nothing is
+        pending under ``key``."""
         if self.faults is not None:
             self._complete(key)
             self._fault_tick()
@@ -267,15 +288,114 @@ class TransferRuntime:
         self.streams.synchronize()
         self.purge()
 
+    # ------------------------------------------------------------------ parameter copies
+    @property
+    def async_copies(self) -> bool:
+        """Whether :meth:`copy_async` really defers copies (CUDA copy streams, or fault
+        injection); otherwise it copies synchronously and returns ``None``."""
+        return self.streams.enabled or self.faults is not None
+
+    def copy_async(self, key: tuple, src: torch.Tensor, dst: torch.Tensor, direction: str, host_block=None):
+        """Issue the copy of ``src``'s bytes into ``dst`` (uint8 tensors of the same length, as
+        :func:`flat_bytes` gives) for parameter offloading, registered under ``key`` (a
+        ``(kind, slot id)`` tuple: never equal to an activation copy's integer key) until
+        :meth:`wait_key`.
+
+        On CUDA the copy runs on the ``direction`` (``"h2d"`` or ``"d2h"``) copy stream after all
+        work queued so far on the compute stream (``start_on``, as :meth:`prefetch`), and the
+        returned handle is its CUDA event (``synchronize()`` is the host-side wait). Under fault
+        injection ``dst`` is poisoned and the copy deferred to its wait (or a random earlier
+        trinity op); the handle is the deferred copy (``synchronize()`` runs it). Otherwise the
+        copy is synchronous and the handle ``None``.
+
+        ``host_block``: a block of this runtime's pool the copy reads or writes (a gradient's
+        staging block), kept from reuse until the copy is done.
+
+        Raises:
+            ValueError: for another ``direction`` or ``src``/``dst`` of different lengths.
+        """
+        if direction not in ("h2d", "d2h"):
+            raise ValueError(f"copy_async: direction must be 'h2d' or 'd2h', got {direction!r}")
+        if src.numel() != dst.numel():
+            raise ValueError(f"copy_async: source has {src.numel()} bytes, destination {dst.numel()}")
+        self.purge()
+        nbytes = src.numel()
+        handle = None
+        if self.faults is not None:
+            dst.fill_(0xFF)
+            if nbytes:
+                handle = self._defer_keyed(key, src, dst, nbytes, host_block)
+        elif self.streams.enabled:
+            stream = self.streams.h2d if direction == "h2d" else self.streams.d2h
+            with self.streams.start_on(stream):
+                dst.copy_(src, non_blocking=True)
+            handle = self.streams.record(stream)
+            if host_block is not None:
+                self.pool.mark_busy(host_block, handle)
+            with self._lock:
+                self._pending[key] = _Pending(handle, (src.untyped_storage(), dst.untyped_storage()))
+        else:
+            dst.copy_(src)
+        with self._lock:
+            if direction == "h2d":
+                self._bytes_h2d += nbytes
+            else:
+                self._bytes_d2h += nbytes
+        return handle
+
+    def adopt(self, key: tuple, handle, keepalive: tuple = ()) -> None:
+        """Register a copy issued through another runtime (``handle`` from its
+        :meth:`copy_async`) under ``key`` here, so that this runtime's :meth:`wait_key` waits
+        for it. For a parameter fetched by one compiled graph whose wait never ran (an exception
+        between them) and then fetched, already resident, by another."""
+        if handle is None:
+            return
+        with self._lock:
+            if isinstance(handle, _Deferred):
+                self._deferred[key] = handle
+            else:
+                self._pending[key] = _Pending(handle, keepalive)
+
+    def staging(self, like: torch.Tensor) -> torch.Tensor:
+        """A host tensor from this runtime's pool with ``like``'s size, stride and dtype (the
+        staging block of a gradient copied to host to be added there).
+
+        Raises:
+            offload_compiler.runtime.pool.HostPoolExhausted: as :meth:`HostPool.empty_strided`.
+        """
+        return self.pool.empty_strided(tuple(like.shape), tuple(like.stride()), like.dtype)
+
+    def note_staged(self, slot) -> None:
+        """Remember a parameter slot whose gradient copy went to a staging block, so that
+        :meth:`reap_staged` adds it into the host gradient once the copy is done."""
+        with self._lock:
+            self._staged.append(slot)
+
+    def reap_staged(self) -> None:
+        """Add the staged gradients whose copies have completed into their host gradients
+        (``slot.finish_grad(block=False)``; never blocks the host), so that their staging blocks
+        go back to the pool: staging holds only copies in flight, not a second set of gradients."""
+        with self._lock:
+            staged, self._staged = self._staged, []
+        keep = [s for s in staged if not s.finish_grad(block=False)]
+        if keep:
+            with self._lock:
+                self._staged = keep + self._staged
+
     # ------------------------------------------------------------------ fault injection
     def _defer(self, key_tensor: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> None:
-        deferred = _Deferred(src, dst, nbytes)
         # A host block a deferred copy reads or writes is not handed out again before it runs.
         host = dst if self.pool.owns(dst) else src
-        self.pool.mark_busy(host, deferred)
+        self._defer_keyed(key_tensor.untyped_storage().data_ptr(), src, dst, nbytes, host)
+
+    def _defer_keyed(self, key, src: torch.Tensor, dst: torch.Tensor, nbytes: int, host_block) -> _Deferred:
+        deferred = _Deferred(src, dst, nbytes)
+        if host_block is not None:
+            self.pool.mark_busy(host_block, deferred)
         with self._lock:
-            self._deferred[key_tensor.untyped_storage().data_ptr()] = deferred
+            self._deferred[key] = deferred
         self._fault_tick()
+        return deferred
 
     def _complete(self, key: int) -> None:
         with self._lock:
