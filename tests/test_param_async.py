@@ -251,7 +251,8 @@ def test_a_missing_param_fetch_wait_is_refused_by_the_verifier(monkeypatch):
     torch._dynamo.reset()
     ref, cref, model, cm = pair("all")
     with pytest.raises(
-        Exception, match=r"parameter residency failed:[\s\S]*reads parameter primals_\d+ .* before the wait of its fetch"
+        Exception,
+        match=r"parameter residency failed:[\s\S]*reads parameter primals_\d+ .* before the wait of its fetch",
     ) as info:
         cm(*batch())
     assert "releases parameter" in str(info.value)  # ... and frees it before the copy is waited for

@@ -684,9 +684,7 @@ def check(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:
             errors.append(f"{graph_name}: fetch {f.name} of parameter {name_of(slot)} has no param_fetch_wait")
             state[slot] = RESIDENT  # do not report every later reader again
         for slot, g in grad_issue.items():
-            errors.append(
-                f"{graph_name}: {g.name} (gradient of {name_of(slot)} to host) has no grad_to_host_wait"
-            )
+            errors.append(f"{graph_name}: {g.name} (gradient of {name_of(slot)} to host) has no grad_to_host_wait")
     return errors
 
 
