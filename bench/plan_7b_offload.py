@@ -47,8 +47,8 @@ def main(argv=None) -> None:
         "compute_seconds": result.compute_seconds,
         "wall_seconds": wall,
         "rows": [r.__dict__ for r in result.rows],
-        "note": "predicted by the cost model and simulator with the planner's working window; the runtime's "
-        "parameter copies are still synchronous (README, limits)",
+        "note": "predicted by the cost model and simulator with the planner's working window and copy waits "
+        "(the runtime issues parameter copies asynchronously on the copy streams); not measured on a GPU",
     }
     path = write_result("plan_llama7b_offload_all", payload, torch.device("cpu"))
     for r in result.rows:
