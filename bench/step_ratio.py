@@ -16,7 +16,8 @@ Each step is forward, backward and ``AdamW.step`` on the same batch for both mod
 initial weights and batches as the suite: ``bench.models``); on CUDA each step is synchronized.
 
 ``python -m bench.step_ratio [--models gpt,llama,vit,resnet] [--rounds 16] [--budget 50%]``
-writes ``bench/results/step_ratio_<device type>.json``.
+writes (replaces) ``bench/results/step_ratio_<device type>.json``, the file the report judges the
+step target on; ``python -m bench`` runs it for every model after the suite.
 """
 
 from __future__ import annotations
@@ -122,11 +123,11 @@ def measure_pair(
 def main(argv: list[str] | None = None) -> int:
     """Measure every model's pair and write the JSON; returns 0."""
     parser = argparse.ArgumentParser(prog="python -m bench.step_ratio", description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default=",".join(MODEL_NAMES))
-    parser.add_argument("--budget", default="50%")
-    parser.add_argument("--rounds", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--device", default=None)
+    parser.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated bench.models names")
+    parser.add_argument("--budget", default="50%", help="trinity's memory_budget (default 50%%)")
+    parser.add_argument("--rounds", type=int, default=16, help="ABBA rounds timed (default 16)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed first steps of each (default 3)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--size", default=None, help="bench.models size preset (default: by device)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -143,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['reference_median_seconds'] * 1e3:.1f} ms",
             flush=True,
         )
+        if row["other_load"] > 0.1:
+            print(
+                f"  busy machine: other processes used {100 * row['other_load']:.0f}% of the CPU while timing; "
+                "even paired ratios are noise then (rerun on a quiet machine before recording the result)",
+                flush=True,
+            )
     path = write_result(f"step_ratio_{device.type}", {"budget": args.budget, "pairs": rows}, device)
     print(f"written {path}")
     return 0

@@ -280,7 +280,12 @@ class CompileSession:
         if opts.compute_streams > 1 and model_state:
             # Not combined yet: a side stream's read of a parameter is not ordered before the
             # parameter's release (README, "Limits today").
-            log.info("assign_streams: off with offload=%r (parameter residency)", opts.offload)
+            warnings.warn(
+                f"trinity: num_streams={opts.num_streams} is ignored with offload={opts.offload!r}: parameter "
+                "offload and several compute streams are not combined yet (README, 'Limits today'); the graphs "
+                "run on one compute stream. Use num_streams=1 to silence this warning.",
+                stacklevel=3,
+            )
         elif opts.compute_streams > 1:
             t0 = time.perf_counter()
             stream_plans = self._assign_streams(pair, costs, the_plan.peak_bytes_planned)

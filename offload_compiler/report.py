@@ -109,7 +109,8 @@ class TrinityReport:
             f"{format_bytes(self.copy_bytes)} copied each way",
             f"  predicted  {self.predicted_step_seconds * 1e3:.3f} ms per step, "
             f"{self.exposed_transfer_seconds * 1e3:.3f} ms of it exposed copies "
-            f"(compute {self.compute_seconds * 1e3:.3f} ms)",
+            f"(compute {self.compute_seconds * 1e3:.3f} ms"
+            + ("; one compute stream, see streams below)" if self.streams else ")"),
         ]
         if self.compute_seconds > 0 and self.exposed_transfer_seconds > 0.05 * self.compute_seconds:
             lines.append(

@@ -520,3 +520,15 @@ def test_a_second_instance_reusing_the_compiled_code_is_refused():
     opt.step()
     opt.synchronize()
     torch._dynamo.reset()
+
+
+def test_explicit_num_streams_with_parameter_offload_warns_and_runs_on_one_stream():
+    ref, cref, model, compiled = pair("activations+params", num_streams=2)
+    x, y = batch()
+    with pytest.warns(UserWarning, match=r"num_streams=2 is ignored with offload='activations\+params'"):
+        loss = compiled(x, y)
+    loss.backward()
+    cref(x, y).backward()
+    assert offload_compiler.last_report().streams == ()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
