@@ -67,6 +67,7 @@ from ..runtime.ops import (
     WAIT_EVENT,
 )
 from ..runtime.transfer import span_bytes
+from .liveness import _schema_view_of
 
 __all__ = [
     "EVENT_OVERHEAD_S",
@@ -165,7 +166,13 @@ class GraphAccess:
         """Analyse ``graph``; nodes whose target is in ``ignore`` are skipped entirely."""
         nodes = tuple(n for n in graph.nodes if not (n.op == "call_function" and n.target in ignore))
         pos = {n: i for i, n in enumerate(nodes)}
-        keys = {n: _storages(n) for n in nodes}
+        keys = {}
+        for n in nodes:
+            # A read-only alias by the op's schema (``detach``, ``t``, ``view``...) shares its
+            # input's storage even where its fake value does not (a ``detach`` recomputed into the
+            # backward carries the forward's fake tensor): aliasing comes from the schema first.
+            src = _schema_view_of(n, 0) if isinstance(n.meta.get("val"), torch.Tensor) else None
+            keys[n] = list(keys[src]) if src is not None and keys.get(src) else _storages(n)
         views, reads, writes = set(), {}, {}
         allocator, holder, last_use = {}, {}, {}
         escapes = set()
