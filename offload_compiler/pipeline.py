@@ -43,7 +43,7 @@ from .passes import (
     size_guard,
     verify,
 )
-from .report import TrinityReport, next_graph_id, record_failure, record_report
+from .report import TrinityReport, next_graph_id, record_report
 from .runtime.transfer import TransferRuntime
 
 __all__ = ["TrinityPartitioner", "CompileSession", "InfeasibleBudgetError", "resolve_budget", "plan_pair"]
@@ -225,17 +225,8 @@ class CompileSession:
     def run(
         self, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, static_input_indices
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """Plan and rewrite one partitioned pair in place; returns it. A failure is noted in the
-        report log (``last_report()`` is then ``None``) and re-raised."""
-        try:
-            return self._run(forward, backward, num_fwd_outputs, static_input_indices)
-        except BaseException:
-            record_failure()
-            raise
-
-    def _run(
-        self, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, static_input_indices
-    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """Plan and rewrite one partitioned pair in place; returns it. (It runs inside the
+        backend's call, which notes a failure in the report log.)"""
         opts = self.options
         graph_id = next_graph_id()
         pair = GraphPair(forward, backward, num_fwd_outputs, tuple(static_input_indices or ()))
