@@ -122,15 +122,14 @@ def _mutated_args(node: fx.Node) -> list[fx.Node]:
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return []
+    ordering = _ordering_args(node)
     out = []
     for i, arg in enumerate(schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
-        if node.target in TRANSFER_OPS and arg.name == "after":
-            continue
         value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
         values = value if isinstance(value, (list, tuple)) else [value]
-        out.extend(v for v in values if isinstance(v, fx.Node))
+        out.extend(v for v in values if isinstance(v, fx.Node) and v not in ordering)
     return out
 
 
