@@ -81,6 +81,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def train_step(prepared, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, device: torch.device):
+    """One timed training step of a prepared method: forward and backward inside its context,
+    ``opt.step()``, ``opt.zero_grad(set_to_none=True)``; synchronized on CUDA. Returns
+    ``(seconds, loss)``."""
+    _sync(device)
+    t0 = time.perf_counter()
+    with prepared.context():
+        loss = prepared.fn(x, y)
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    _sync(device)
+    return time.perf_counter() - t0, loss
+
+
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
 
@@ -202,15 +217,8 @@ def run_method(
                 if i == config.warmup:
                     load.__enter__()
                 x, y = batches[i]
-                _sync(device)
-                t0 = time.perf_counter()
-                with prepared.context():
-                    loss = prepared.fn(x, y)
-                    loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                _sync(device)
-                times.append(time.perf_counter() - t0)
+                seconds, loss = train_step(prepared, opt, x, y, device)
+                times.append(seconds)
                 losses.append(float(loss.detach()))
                 done += 1
                 progress(1, f"{spec.name}: {method.key} step {i + 1}/{config.steps} loss {losses[-1]:.4f}")

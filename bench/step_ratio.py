@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
 
 import torch
@@ -32,6 +31,7 @@ import torch
 from .common import OtherLoad, write_result
 from .methods import fresh_copy, get_method
 from .models import MODEL_NAMES, get_model
+from .runner import train_step
 
 __all__ = ["measure_pair", "main"]
 
@@ -79,18 +79,7 @@ def measure_pair(
 
     def step(key: str, i: int) -> float:
         prepared, opt = runs[key]
-        x, y = batches[i]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        with prepared.context():
-            loss = prepared.fn(x, y)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
+        return train_step(prepared, opt, *batches[i], device)[0]
 
     times = {tri.key: [], ref.key: []}
     with warnings.catch_warnings():
