@@ -733,8 +733,9 @@ class CPUOptimizer:
                 "the total norm is known; use overlap='forward' to clip"
             )
         self.synchronize()
+        chunks = self._build()
         shadow_of = {i: self._params[i] for i in self._device_params}
-        for chunk in self._build():
+        for chunk in chunks:
             chunk.set_grads()
             shadow_of.update(zip(chunk.indices, chunk.shadows))
         return torch.nn.utils.clip_grad_norm_(
