@@ -110,12 +110,14 @@ def host_update_seconds(
     reps: int = 3,
     optimizer_class: type | None = None,
     num_tensors: int = 8,
+    all_samples: bool = False,
     **options,
-) -> float:
+) -> float | list[float]:
     """Median seconds of one ``CPUOptimizer`` step (``implementation``, ``num_threads``) of
     ``optimizer_class`` (default AdamW, ``lr=1e-3``) over ``numel`` fp32 parameters in
     ``num_tensors`` tensors, their master copies and gradients in host memory as with
-    ``offload="all"``; from ``step()`` until the worker is done, after two warm-up steps."""
+    ``offload="all"``; from ``step()`` until the worker is done, after two warm-up steps
+    (``all_samples``: every timed step's seconds instead of the median)."""
     from .runtime.cpu_optim import CPUOptimizer
     from .runtime.model_state import ensure_slot
     from .runtime.pool import HostPool
@@ -144,7 +146,7 @@ def host_update_seconds(
         opt.synchronize()
         if i >= 2:
             samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return samples if all_samples else statistics.median(samples)
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
