@@ -39,15 +39,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--devices", default="rtx4090,h100-sxm")
     args = parser.parse_args(argv)
     rows = []
-    for model in args.models.split(","):
-        for dev in args.devices.split(","):
+    runs = [
+        (model, dev, config)
+        for config in CONFIGS  # every model and device in one configuration before the next
+        for model in args.models.split(",")
+        for dev in args.devices.split(",")
+    ]
+    for model, dev, (label, impl, overlap, share) in runs:
+        if True:
             spec = replace(
                 KNOWN_DEVICES[dev],
                 host_bytes_per_s=args.host_bandwidth,
                 host_update_seconds_per_param=0.0,
                 host_update_loop_seconds_per_param=0.0,
             )
-            for label, impl, overlap, share in CONFIGS:
+            for _ in (0,):
                 t0 = time.perf_counter()
                 r = plan_model(
                     model,
@@ -83,7 +89,15 @@ def main(argv=None) -> dict:
                     f"{100 * row.device_share:.0f}% on the device), peak {row.planned_peak_bytes / 2**30:.2f} GiB",
                     flush=True,
                 )
-    payload = {
+                write_result("plan_offload_update", _payload(args, rows), torch.device("cpu"))  # so far
+    payload = _payload(args, rows)
+    path = write_result("plan_offload_update", payload, torch.device("cpu"))
+    print(f"written {path}")
+    return payload
+
+
+def _payload(args, rows) -> dict:
+    return {
         "batch": 1,
         "seq_len": 4096,
         "dtype": "bfloat16",
@@ -95,9 +109,6 @@ def main(argv=None) -> dict:
         "note": "predicted by the cost model and simulator (steady state of the training loop, host update "
         "included); the host is assumed; not measured on a GPU",
     }
-    path = write_result("plan_offload_update", payload, torch.device("cpu"))
-    print(f"written {path}")
-    return payload
 
 
 if __name__ == "__main__":
