@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--deepspeed-python", default=None, help="a Python where deepspeed's CPU Adam builds")
     parser.add_argument("--deepspeed-note", default="not run", help="why DeepSpeedCPUAdam is missing, if it is")
+    parser.add_argument("--name", default="cpu_update", help="result file name (bench/results/NAME.json)")
     args = parser.parse_args(argv)
     variants = {
         "torch AdamW for-loop (default)": lambda n: _torch_step(n, args.reps),
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
         "deepspeed": args.deepspeed_note if not args.deepspeed_python else f"run with {args.deepspeed_python}",
         "results": results,
     }
-    path = write_result("cpu_update", payload, torch.device("cpu"))
+    path = write_result(args.name, payload, torch.device("cpu"))
     print(f"written {path}")
     return payload
 
