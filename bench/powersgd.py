@@ -117,7 +117,9 @@ def _worker(args) -> None:
             "eval_loss": statistics.mean(ev),
             "replicas_identical": all(torch.equal(ws[0], o) for o in ws[1:]),
             "ranks": {str(k): v for k, v in state.ranks.items()} if method == "adaptive" else None,
-            "stable_ranks": {str(k): [round(x, 2) if x == x else None for x in v] for k, v in state.stable_ranks.items()}
+            "stable_ranks": {
+                str(k): [round(x, 2) if x == x else None for x in v] for k, v in state.stable_ranks.items()
+            }
             if method == "adaptive"
             else None,
             "buckets": len(state.ranks) if method == "adaptive" else None,
@@ -137,7 +139,9 @@ def _png(results: dict, path: Path, steps: int) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     names = {"ddp": "plain DDP", "powersgd-fixed": "torch PowerSGD (fixed rank)", "adaptive": "adaptive PowerSGD"}
     for method, r in results.items():
-        ax.plot(range(len(r["losses"])), r["losses"], lw=1, label=f"{names[method]} ({r['bytes_ratio']:.1%} of DDP bytes)")
+        ax.plot(
+            range(len(r["losses"])), r["losses"], lw=1, label=f"{names[method]} ({r['bytes_ratio']:.1%} of DDP bytes)"
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (mean of 2 ranks)")
     ax.set_title(f"demo GPT, 2 processes (gloo), {steps} steps")
@@ -153,13 +157,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.powersgd", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=10, help="full-rank steps first (both PowerSGD hooks)")
+    p.add_argument("--warmup", type=int, default=20, help="full-rank steps first (both PowerSGD hooks)")
     p.add_argument("--fixed-rank", type=int, default=4)
     p.add_argument("--reevaluate-every", type=int, default=50)
-    p.add_argument("--rank-scale", type=float, default=1.0)
-    p.add_argument("--min-rank", type=int, default=1)
+    p.add_argument("--rank-scale", type=float, default=4.0)
+    p.add_argument("--min-rank", type=int, default=2)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--timeout", type=int, default=1200, help="seconds before the run is killed (a hang fails)")
     p.add_argument("--no-write", action="store_true", help="print only; do not write bench/results")

@@ -12,7 +12,7 @@ Usage::
     from offload_compiler.comm import AdaptivePowerSGDState, adaptive_powersgd_hook
 
     ddp = DistributedDataParallel(model)
-    state = AdaptivePowerSGDState(process_group=None, warmup_steps=10)
+    state = AdaptivePowerSGDState(process_group=None)  # 20 full-rank steps first, then adaptive ranks
     ddp.register_comm_hook(state, adaptive_powersgd_hook)
     ...
     state.bytes_per_step  # bytes this rank all-reduced in each step
@@ -43,7 +43,6 @@ then issues bucket ``b``'s ``P`` all-reduce; the last bucket finishes itself. Ca
 local arithmetic (decompression, the error update).
 """
 
-
 import math
 from dataclasses import dataclass, field
 
@@ -72,11 +71,11 @@ def stable_rank(matrix: torch.Tensor, power_iterations: int = 4, generator: torc
         raise ValueError(f"stable_rank: expected a 2-D matrix, got shape {tuple(matrix.shape)}")
     if power_iterations < 1:
         raise ValueError(f"stable_rank: power_iterations must be >= 1, got {power_iterations}")
-    m = matrix.detach().float()
+    m = matrix.detach().double()
     fro2 = float((m * m).sum())
     if fro2 == 0.0:
         return 0.0
-    v = torch.randn(m.shape[1], generator=generator).to(m.device)
+    v = torch.randn(m.shape[1], generator=generator, dtype=torch.float64).to(m.device)
     v /= v.norm()
     for _ in range(power_iterations):
         v = m.T @ (m @ v)
@@ -99,7 +98,7 @@ def choose_rank(
         cap = min(cap, max_rank)
     if cap < min_rank:
         return 0
-    return max(min_rank, min(cap, math.ceil(rank_scale * srank - 1e-9)))
+    return max(min_rank, min(cap, math.ceil(rank_scale * srank * (1 - 1e-6))))  # float noise above an integer
 
 
 class AdaptivePowerSGDState(PowerSGDState):
@@ -112,7 +111,10 @@ class AdaptivePowerSGDState(PowerSGDState):
         reevaluate_every: every this many steps after the warm-up, one full-rank step
             re-estimates the stable ranks (>= 2).
         power_iterations: power iterations per stable-rank estimate (>= 1).
-        rank_scale, min_rank, max_rank: the rank rule (module docstring).
+        rank_scale, min_rank, max_rank: the rank rule (module docstring). The defaults (4, 2,
+            none) and ``warmup_steps=20`` are what kept the demo GPT within 2% of plain DDP's loss
+            at a fifth of its bytes (``bench/results/powersgd_cpu.json``); with ``rank_scale=1``
+            it sent 10% and lost 4%. Tune them for your model.
         min_compress_numel: matrices with fewer elements are sent uncompressed.
         orthogonalization_epsilon, random_seed: as in torch's state.
 
@@ -129,11 +131,11 @@ class AdaptivePowerSGDState(PowerSGDState):
     def __init__(
         self,
         process_group=None,
-        warmup_steps: int = 10,
+        warmup_steps: int = 20,
         reevaluate_every: int = 50,
         power_iterations: int = 4,
-        rank_scale: float = 1.0,
-        min_rank: int = 1,
+        rank_scale: float = 4.0,
+        min_rank: int = 2,
         max_rank: int | None = None,
         min_compress_numel: int = 4096,
         orthogonalization_epsilon: float = 1e-8,

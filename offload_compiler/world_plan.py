@@ -525,6 +525,8 @@ def score_layout(
 
     def grad_sync(pos, nbytes, which, tasks):
         """The collectives that reduce ``nbytes`` of gradients, issued at ``pos``."""
+        if nbytes <= 0:
+            return
         if kind == "ddp":
             tasks.append(("d2h", ring("all_reduce", nbytes, dp_group), pos))
         elif kind == "ddp+powersgd":
@@ -543,8 +545,9 @@ def score_layout(
         steps = [block_f] * blocks + [fixed_f, fixed_b] + [block_b] * blocks
         n = len(steps)
         if gathers:
-            tasks.append(("h2d", ring("all_gather", fixed_P, shard_group), 0))
-            waits.append(0)
+            if fixed_P > 0:
+                tasks.append(("h2d", ring("all_gather", fixed_P, shard_group), 0))
+                waits.append(0)
             for i in range(blocks):
                 tasks.append(("h2d", ring("all_gather", block_P, shard_group), max(0, i - 1)))
                 waits.append(i)
@@ -567,8 +570,9 @@ def score_layout(
         steps = [block_f] * blocks + [max(0.0, total - edge)] + [fixed_b] + [block_b] * blocks
         n = len(steps)
         if gathers:
-            tasks.append(("h2d", ring("all_gather", fixed_P, shard_group), 0))
-            waits.append(0)
+            if fixed_P > 0:
+                tasks.append(("h2d", ring("all_gather", fixed_P, shard_group), 0))
+                waits.append(0)
             for i in range(blocks):
                 tasks.append(("h2d", ring("all_gather", block_P, shard_group), max(0, i - 1)))
                 waits.append(i)

@@ -1,0 +1,156 @@
+"""Check ``plan --world`` against measurement on this machine: 2 processes, gloo over loopback.
+
+1. ``calibrate --collectives`` fits alpha and beta of gloo between 2 processes here;
+   ``calibrate`` (one thread, as each rank runs) measures the CPU's FLOP/s and bandwidths.
+2. ``plan --world 2`` predicts every layout of the demo GPT with those figures (``cpu`` device).
+3. The layout script ``plan --world`` prints is run under ``torchrun --nproc-per-node 2`` for
+   each layout that runs on the CPU: DDP, FSDP2 (both reshard settings), tensor parallel and
+   pipeline stages (1F1B and GPipe). gloo supports all their collectives (all-reduce, all-gather,
+   reduce-scatter, send/recv), so none is left out; the only CPU-only caveat is that
+   ``torch.distributed.pipelining`` and DTensor run their CPU paths.
+4. Measured median step against predicted, per layout.
+
+The machine has 2 cores shared with other developers: the measured step times move with their
+load (recorded as ``other_load_fraction``). ``python -m bench.world_check [--steps 12]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .common import RESULTS, OtherLoad, write_result
+
+ROOT = RESULTS.parent.parent
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.world_check", description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+
+    from offload_compiler import world_plan as wp
+    from offload_compiler.calibrate import CALIBRATION_FIELDS, calibrate, calibrate_collectives
+    from offload_compiler.devices import KNOWN_DEVICES
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        print("calibrating gloo collectives between 2 processes ...", flush=True)
+        coll = calibrate_collectives(2)
+        coll_path = tmp / "collectives.json"
+        coll_path.write_text(json.dumps(coll))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        print("calibrating the CPU (one thread) ...", flush=True)
+        figures = calibrate("cpu")
+        torch.set_num_threads(threads)
+        spec = replace(
+            KNOWN_DEVICES["cpu"],
+            **{k: figures[k] for k in CALIBRATION_FIELDS},
+            source="calibrated here, one thread",
+        )
+        print("planning ...", flush=True)
+        plan = wp.plan_world(
+            "demo", 2, interconnect=str(coll_path), device=spec, batch=args.batch, seq_len=args.seq_len,
+            dtype=torch.float32, optimizer="adamw",
+        )  # fmt: skip
+        wanted = {
+            "ddp": lambda s: s.layout.dp_kind == "ddp",
+            "fsdp": lambda s: s.layout.dp_kind == "fsdp",
+            "fsdp-keep": lambda s: s.layout.dp_kind == "fsdp-keep",
+            "tp2": lambda s: s.layout.tp == 2,
+            "pp2-1f1b": lambda s: s.layout.pp == 2 and s.layout.schedule == "1f1b" and s.layout.microbatches == 4,
+            "pp2-gpipe": lambda s: s.layout.pp == 2 and s.layout.schedule == "gpipe" and s.layout.microbatches == 4,
+        }
+        rows = []
+        with OtherLoad() as load:
+            for name, pick in wanted.items():
+                score = next((s for s in plan.scores if pick(s) and s.offload_budget_bytes is None), None)
+                if score is None:
+                    rows.append({"layout": name, "error": "not enumerated"})
+                    continue
+                script = tmp / f"{name}.py"
+                script.write_text(wp.layout_script(plan, score, "bench.world_check"))
+                out = tmp / f"{name}.json"
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                       "127.0.0.1", "--master-port", str(_port()), str(script), "--steps", str(args.steps), "--json",
+                       str(out)]  # fmt: skip
+                env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+                print(f"running {name}: {score.label()} ...", flush=True)
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+                if proc.returncode != 0:
+                    rows.append({"layout": name, "label": score.label(), "error": proc.stderr[-2000:]})
+                    continue
+                res = json.loads(out.read_text())
+                measured = statistics.median(res["step_seconds"][3:])
+                rows.append(
+                    {
+                        "layout": name,
+                        "label": score.label(),
+                        "predicted_step_seconds": score.step_seconds,
+                        "predicted_compute_seconds": score.compute_seconds,
+                        "predicted_comm_exposed_seconds": score.comm_exposed_seconds,
+                        "predicted_peak_bytes": score.peak_bytes,
+                        "measured_step_seconds": measured,
+                        "measured_over_predicted": measured / score.step_seconds,
+                        "losses": res["losses"],
+                    }
+                )
+    print(f"{'layout':11s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s}  label")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['layout']:11s} failed: {r['error'][-300:]}")
+            continue
+        print(
+            f"{r['layout']:11s} {r['predicted_step_seconds'] * 1e3:8.1f}ms {r['measured_step_seconds'] * 1e3:8.1f}ms "
+            f"{r['measured_over_predicted']:6.2f}  {r['label']}"
+        )
+    ok = [r for r in rows if "error" not in r]
+    order_pred = [r["layout"] for r in sorted(ok, key=lambda r: r["predicted_step_seconds"])]
+    order_meas = [r["layout"] for r in sorted(ok, key=lambda r: r["measured_step_seconds"])]
+    print(f"predicted order: {order_pred}\nmeasured order:  {order_meas}")
+    if args.no_write:
+        return 0
+    payload = {
+        "model": "demo GPT (4 layers, width 128, byte vocabulary)",
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "processes": 2,
+        "backend": "gloo over 127.0.0.1, OMP_NUM_THREADS=1 per process",
+        "collectives_calibration": coll,
+        "device_calibration": figures,
+        "chosen_by_plan": plan.best.label() if plan.best else None,
+        "rows": rows,
+        "predicted_order": order_pred,
+        "measured_order": order_meas,
+        "machine_note": "2-core machine shared with other developers; both ranks share its 2 cores",
+        "other_load_fraction": load.fraction,
+        "unsupported_on_gloo": coll["unsupported"],
+    }
+    path = write_result("world_check_cpu", payload, torch.device("cpu"))
+    print(f"written {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
