@@ -8,7 +8,9 @@
    pipeline stages (1F1B and GPipe). gloo supports all their collectives (all-reduce, all-gather,
    reduce-scatter, send/recv), so none is left out; the only CPU-only caveat is that
    ``torch.distributed.pipelining`` and DTensor run their CPU paths.
-4. Measured median step against predicted, per layout.
+4. Measured median step against predicted, per layout, and, as a reference, each rank's compute
+   alone (two processes training at one rank's batch without a process group): how far the
+   compute prediction is off on this machine, apart from communication.
 
 The machine has 2 cores shared with other developers: the measured step times move with their
 load (recorded as ``other_load_fraction``). ``python -m bench.world_check [--steps 12]``
@@ -32,6 +34,28 @@ import torch
 from .common import RESULTS, OtherLoad, write_result
 
 ROOT = RESULTS.parent.parent
+
+# Each rank's compute alone: the model at one data-parallel rank's batch, no process group; two
+# copies run at once, so they share the cores as the two ranks do.
+_ALONE = r"""
+import json, statistics, sys, time, torch, torch.nn.functional as F
+from offload_compiler.demo import Batches, load_corpus
+from offload_compiler.models.presets import get_preset
+torch.manual_seed(0)
+batch, seq, steps, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+model = get_preset("demo").build(seq)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+data = Batches(load_corpus(), batch, seq, seed=0)
+times = []
+for step in range(steps):
+    x, y = data.batch(step, torch.device("cpu"))
+    t0 = time.perf_counter()
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    times.append(time.perf_counter() - t0)
+json.dump(times, open(out, "w"))
+"""
 
 
 def _port() -> int:
@@ -83,6 +107,30 @@ def main(argv=None) -> int:
         }
         rows = []
         with OtherLoad() as load:
+            alone = tmp / "alone.py"
+            alone.write_text(_ALONE)
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+            print("running each rank's compute alone (2 processes, no communication) ...", flush=True)
+            procs = [
+                subprocess.Popen([sys.executable, str(alone), str(args.batch // 2), str(args.seq_len), str(args.steps),
+                                  str(tmp / f"alone{i}.json")], env=env)
+                for i in range(2)
+            ]  # fmt: skip
+            for proc in procs:
+                proc.wait(timeout=600)
+            ddp_score = next(s for s in plan.scores if s.layout.dp_kind == "ddp")
+            alone_s = statistics.median(
+                statistics.median(json.loads((tmp / f"alone{i}.json").read_text())[3:]) for i in range(2)
+            )
+            rows.append(
+                {
+                    "layout": "compute-only",
+                    "label": f"no process group: 2 processes, batch {args.batch // 2} each (DDP's per-rank work)",
+                    "predicted_step_seconds": ddp_score.compute_seconds,
+                    "measured_step_seconds": alone_s,
+                    "measured_over_predicted": alone_s / ddp_score.compute_seconds,
+                }
+            )
             for name, pick in wanted.items():
                 score = next((s for s in plan.scores if pick(s) and s.offload_budget_bytes is None), None)
                 if score is None:
@@ -124,7 +172,7 @@ def main(argv=None) -> int:
             f"{r['layout']:11s} {r['predicted_step_seconds'] * 1e3:8.1f}ms {r['measured_step_seconds'] * 1e3:8.1f}ms "
             f"{r['measured_over_predicted']:6.2f}  {r['label']}"
         )
-    ok = [r for r in rows if "error" not in r]
+    ok = [r for r in rows if "error" not in r and r["layout"] != "compute-only"]
     order_pred = [r["layout"] for r in sorted(ok, key=lambda r: r["predicted_step_seconds"])]
     order_meas = [r["layout"] for r in sorted(ok, key=lambda r: r["measured_step_seconds"])]
     print(f"predicted order: {order_pred}\nmeasured order:  {order_meas}")

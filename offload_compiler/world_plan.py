@@ -928,7 +928,8 @@ def frontier_png(plan: WorldPlan, path: Path) -> Path:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    gib = 2**30
+    peaks = [s.peak_bytes for s in plan.scores] or [1]
+    unit, scale = ("GiB", 2**30) if max(peaks) >= 2**30 else ("MiB", 2**20)
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     colors = {"none": "#7f7f7f", "ddp": "#1f77b4", "ddp+powersgd": "#17becf", "fsdp": "#2ca02c"}
     colors.update({"fsdp-keep": "#98df8a", "hsdp": "#9467bd"})
@@ -938,8 +939,8 @@ def frontier_png(plan: WorldPlan, path: Path) -> Path:
             continue
         ax.scatter(
             [s.step_seconds * 1e3 for s in pts],
-            [s.peak_bytes / gib for s in pts],
-            s=[18 if s.fits else 10 for s in pts],
+            [s.peak_bytes / scale for s in pts],
+            s=[22 if s.fits else 10 for s in pts],
             c=colors[kind],
             alpha=0.8,
             marker="o",
@@ -951,21 +952,28 @@ def frontier_png(plan: WorldPlan, path: Path) -> Path:
             front.append(s)
             best_peak = s.peak_bytes
     if front:
-        ax.plot([s.step_seconds * 1e3 for s in front], [s.peak_bytes / gib for s in front], "-", color="#444444", lw=1)
+        ax.plot(
+            [s.step_seconds * 1e3 for s in front], [s.peak_bytes / scale for s in front], "-", color="#444444", lw=1
+        )
         for s in front[:6]:
-            ax.annotate(s.layout.label(), (s.step_seconds * 1e3, s.peak_bytes / gib), fontsize=6, xytext=(4, 3),
+            ax.annotate(s.layout.label(), (s.step_seconds * 1e3, s.peak_bytes / scale), fontsize=6, xytext=(4, 3),
                         textcoords="offset points")  # fmt: skip
     if plan.best:
-        ax.scatter([plan.best.step_seconds * 1e3], [plan.best.peak_bytes / gib], s=90, facecolors="none",
+        ax.scatter([plan.best.step_seconds * 1e3], [plan.best.peak_bytes / scale], s=90, facecolors="none",
                    edgecolors="#d62728", linewidths=1.5, label="chosen")  # fmt: skip
-    ax.axhline(
-        plan.device.memory_bytes / gib, color="#d62728", linestyle="--", lw=1, label=f"{plan.device.name} memory"
-    )
-    ax.set_xscale("log")
-    ax.set_xlabel("predicted step time (ms, log scale)")
-    ax.set_ylabel("per-GPU peak memory (GiB)")
+    memory = plan.device.memory_bytes
+    if memory <= 3 * max(peaks):
+        ax.axhline(memory / scale, color="#d62728", linestyle="--", lw=1, label=f"{plan.device.name} memory")
+    steps = [s.step_seconds for s in plan.scores if s.step_seconds > 0]
+    if steps and max(steps) > 20 * min(steps):
+        ax.set_xscale("log")
+    ax.set_xlabel("predicted step time (ms)")
+    ax.set_ylabel(f"per-GPU peak memory ({unit})")
+    off = "" if memory <= 3 * max(peaks) else f"; device memory {format_bytes(memory)} off the scale"
     ax.set_title(
-        f"{plan.model}: {plan.world} GPUs on {plan.nodes} node(s), batch {plan.batch} x {plan.seq_len} (predicted)"
+        f"{plan.model}: {plan.world} GPUs on {plan.nodes} node(s), batch {plan.batch} x {plan.seq_len}{off}\n"
+        "(cost-model predictions; small dots do not fit)",
+        fontsize=9,
     )
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
