@@ -222,6 +222,7 @@ def main(argv=None) -> int:
     if args.no_write:
         return 0
     payload = {
+        "command": " ".join(["python -m bench.powersgd", *(argv if argv is not None else sys.argv[1:])]),
         "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "no_write")},
         "model": "demo GPT (4 layers, width 128, byte vocabulary)",
         "processes": 2,
