@@ -77,7 +77,9 @@ def test_hook_picks_the_rank_of_synthetic_gradients_and_error_feedback_keeps_the
     shapes = [((96, 64), (64,)), ((80, 72), (72,))]
     true_rank = [3, 5]
     buckets = [_Bucket(i, [torch.empty(*s) for s in sh], i == 1) for i, sh in enumerate(shapes)]
-    state = AdaptivePowerSGDState(single_group, warmup_steps=2, reevaluate_every=100, min_compress_numel=0)
+    state = AdaptivePowerSGDState(
+        single_group, warmup_steps=2, reevaluate_every=100, rank_scale=1.0, min_rank=1, min_compress_numel=0
+    )
     g = torch.Generator().manual_seed(0)
     sent = [torch.zeros(b.buffer().numel()) for b in buckets]
     given = [torch.zeros(b.buffer().numel()) for b in buckets]
