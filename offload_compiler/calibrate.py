@@ -39,6 +39,7 @@ import torch
 
 __all__ = [
     "calibrate",
+    "calibrate_collectives",
     "load_calibration",
     "CALIBRATION_FIELDS",
     "main",
@@ -280,7 +281,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="calibration.json", help="where to write the figures (JSON)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--quick", action="store_true", help="small problems, few repetitions")
+    parser.add_argument(
+        "--collectives",
+        action="store_true",
+        help="instead: time gloo collectives between processes on this machine (loopback) and fit alpha and beta",
+    )
+    parser.add_argument("--processes", type=int, default=2, help="with --collectives: how many processes")
     args = parser.parse_args(argv)
+    if args.collectives:
+        return _collectives_main(args)
     figures = calibrate(args.device, quick=args.quick)
     Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
     for key in CALIBRATION_FIELDS:
@@ -292,6 +301,157 @@ def main(argv: list[str] | None = None) -> int:
         cells = ", ".join(f"{t} threads {r / 1e6:.0f} M params/s" for t, r in by.items())
         print(f"host update ({impl}): {cells}")
     print(f"written {args.out}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------
+# Collectives between processes (``calibrate --collectives``): alpha and beta of the link.
+
+_COLLECTIVE_SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+
+
+def _collectives_worker(rank: int, world: int, port: int, sizes: tuple[int, ...], reps: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results = []
+        for nbytes in sizes:
+            numel = max(world, nbytes // 4 // world * world)
+            x = torch.ones(numel)
+            chunk = torch.empty(numel // world)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            ops = {
+                "all_reduce": lambda x=x: dist.all_reduce(x),
+                "all_gather": lambda x=x, c=chunk, g=gather: g(x, c),
+                "reduce_scatter": lambda x=x, c=chunk, r=scatter: r(c, x),
+            }
+            if world == 2:
+                ops["send_recv"] = lambda x=x: dist.send(x, 1) if rank == 0 else dist.recv(x, 0)
+            for op, fn in ops.items():
+                try:
+                    fn()
+                except (RuntimeError, NotImplementedError, ValueError) as exc:
+                    results.append({"op": op, "bytes": numel * 4, "error": str(exc).split("\n")[0]})
+                    continue
+                samples = []
+                for _ in range(reps):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    samples.append(time.perf_counter() - t0)
+                t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                results.append({"op": op, "bytes": numel * 4, "seconds": t.item()})
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate_collectives(processes: int = 2, quick: bool = False) -> dict:
+    """Time gloo collectives between ``processes`` processes on this machine (TCP over
+    127.0.0.1, one thread each) and fit the alpha-beta model of :mod:`.collectives` to them.
+
+    Each collective (all-reduce, all-gather, reduce-scatter and, for 2 processes, send/recv)
+    runs on messages from 4 KiB to 16 MiB (1 MiB with ``quick``); a sample is the slowest
+    rank's median over repetitions after a barrier. Least squares over all samples fits
+    ``seconds = steps * alpha + ring_bytes / bytes_per_s`` (``steps`` and ``ring_bytes`` as in
+    :func:`.collectives.collective_seconds`), weighting each sample by ``1 / seconds`` (relative
+    error), for all collectives together (``link``) and for each (``per_collective``).
+
+    Returns:
+        ``{"link": {"name", "alpha_s", "bytes_per_s", "base_s"}, "samples": [...],
+        "unsupported": [...], "processes", "torch", "method"}``: pass the file to
+        ``plan --world --interconnect FILE``.
+
+    Raises:
+        ValueError: for fewer than 2 processes. RuntimeError: if the processes fail.
+    """
+    import socket
+    import tempfile
+
+    import numpy as np
+    import torch.multiprocessing as mp
+
+    if processes < 2:
+        raise ValueError(f"calibrate --collectives needs at least 2 processes, got {processes}")
+    sizes = tuple(s for s in _COLLECTIVE_SIZES if not quick or s <= 1 << 20)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "samples.json")
+        mp.start_processes(
+            _collectives_worker,
+            args=(processes, port, sizes, 3 if quick else 10, out),
+            nprocs=processes,
+            join=True,
+            start_method="spawn",
+        )
+        samples = json.loads(Path(out).read_text())
+    p = processes
+    rows, times = [], []
+    for s in samples:
+        if "seconds" not in s:
+            continue
+        n = s["bytes"]
+        steps, volume = {
+            "all_reduce": (2 * (p - 1), 2 * (p - 1) / p * n),
+            "all_gather": (p - 1, (p - 1) / p * n),
+            "reduce_scatter": (p - 1, (p - 1) / p * n),
+            "send_recv": (1, n),
+        }[s["op"]]
+        rows.append((steps, volume))
+        times.append(s["seconds"])
+
+    def fit(rows, times):
+        """Least squares of the relative error for (alpha, 1/bandwidth), both kept >= 0 (a negative
+        one is refitted away): small messages then set alpha, large ones the bandwidth."""
+        t = np.array(times)
+        a, t = np.array(rows, dtype=float) / t[:, None], np.ones_like(t)
+        (alpha, inv_bw), *_ = np.linalg.lstsq(a, t, rcond=None)
+        if alpha < 0:
+            alpha, inv_bw = 0.0, float(np.linalg.lstsq(a[:, 1:], t, rcond=None)[0][0])
+        if inv_bw <= 0:
+            alpha, inv_bw = float(np.linalg.lstsq(a[:, :1], t, rcond=None)[0][0]), 0.0
+        return max(float(alpha), 0.0), max(float(inv_bw), 0.0)
+
+    alpha, inv_bw = fit(rows, times)
+    per_op = {}
+    ops = [s["op"] for s in samples if "seconds" in s]
+    for op in dict.fromkeys(ops):
+        a, b = fit([r for r, o in zip(rows, ops) if o == op], [t for t, o in zip(times, ops) if o == op])
+        per_op[op] = {"alpha_s": a, "bytes_per_s": 1.0 / b if b > 0 else None}
+    link = {
+        "name": f"loopback (gloo, {p} processes on this machine)",
+        "alpha_s": max(float(alpha), 0.0),
+        "bytes_per_s": 1.0 / inv_bw if inv_bw > 0 else 1e15,
+        "base_s": 0.0,
+    }
+    return {
+        "link": link,
+        "per_collective": per_op,
+        "samples": [s for s in samples if "seconds" in s],
+        "unsupported": sorted({s["op"] + ": " + s["error"] for s in samples if "error" in s}),
+        "processes": p,
+        "torch": torch.__version__,
+        "method": "offload_compiler.calibrate.calibrate_collectives: gloo over 127.0.0.1, medians, least squares",
+    }
+
+
+def _collectives_main(args) -> int:
+    result = calibrate_collectives(args.processes, quick=args.quick)
+    out = args.out if args.out != "calibration.json" else "collectives.json"
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    link = result["link"]
+    print(f"alpha_s      {link['alpha_s']:12.4g} s per ring step")
+    print(f"bytes_per_s  {link['bytes_per_s']:12.4g} bytes/s")
+    for line in result["unsupported"]:
+        print(f"unsupported: {line}")
+    print(f"written {out} (use: plan --world N --interconnect {out})")
     return 0
 
 

@@ -89,8 +89,12 @@ class PlanResult:
         return min(ok, key=lambda r: r.budget_bytes) if ok else None
 
 
-def _build(model: str, seq_len: int, hf_overrides: dict):
-    if model.startswith("hf:"):
+def _build(model, seq_len: int, hf_overrides: dict):
+    from .models.presets import Preset, get_preset
+
+    if isinstance(model, Preset):
+        preset = model
+    elif model.startswith("hf:"):
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
         except ImportError:
@@ -115,16 +119,15 @@ def _build(model: str, seq_len: int, hf_overrides: dict):
                     return self.inner(input_ids=idx, use_cache=False).logits
 
         return (lambda: _Logits()), config.vocab_size
-    from .models.presets import get_preset
-
-    preset = get_preset(model)
+    else:
+        preset = get_preset(model)
     if preset.max_seq_len is not None and seq_len > preset.max_seq_len:
         raise ValueError(f"model {model!r} takes sequences up to {preset.max_seq_len}, got --seq-len {seq_len}")
     return (lambda: preset.build(seq_len)), preset.vocab_size
 
 
 def plan_model(
-    model: str,
+    model,
     device: DeviceSpec,
     budgets: list[str],
     batch: int = 1,
@@ -140,10 +143,13 @@ def plan_model(
 ) -> PlanResult:
     """Plan ``model``'s training step for each budget on ``device`` (see the module docstring).
 
-    Budgets are sizes (``"24GiB"``), percentages of the peak without offloading (``"50%"``) or
-    ``"device"`` (the device's memory). With ``offload="all"`` the optimizer update of
-    ``optimizer`` is simulated as ``CPUOptimizer(implementation=cpu_optimizer, overlap=overlap)``
-    runs it on ``device``'s host figures, with the ``optimizer_on_device`` share on the device.
+    ``model`` is a preset's name, ``hf:<model_type>``, or a :class:`~.models.presets.Preset`
+    (a model built by the caller, e.g. one pipeline stage or one tensor-parallel shard of a
+    preset: ``plan --world`` plans those). Budgets are sizes (``"24GiB"``), percentages of the
+    peak without offloading (``"50%"``) or ``"device"`` (the device's memory). With
+    ``offload="all"`` the optimizer update of ``optimizer`` is simulated as
+    ``CPUOptimizer(implementation=cpu_optimizer, overlap=overlap)`` runs it on ``device``'s host
+    figures, with the ``optimizer_on_device`` share on the device.
 
     Raises:
         ValueError: for an unknown model, optimizer or a malformed budget, naming it.
@@ -249,7 +255,7 @@ def plan_model(
             )
         )
     return PlanResult(
-        model=model,
+        model=getattr(model, "name", model),
         device=device,
         num_params=traced.num_params,
         param_bytes=traced.param_bytes,
@@ -309,6 +315,11 @@ def _count(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--world" or a.startswith("--world=") for a in argv):
+        from .world_plan import main as world_main  # plan --world N: layouts for N GPUs
+
+        return world_main(argv)
     parser = argparse.ArgumentParser(
         prog="python -m offload_compiler plan",
         description=__doc__.split("\n")[0],
@@ -353,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", default="plan_frontier.png", help="where to draw the frontier ('' for none)")
     parser.add_argument(
         "--hf", action="append", default=[], metavar="KEY=VALUE", help="config override for hf: models (repeatable)"
+    )
+    parser.add_argument(
+        "--world", type=int, default=None, help="plan a layout for N GPUs instead (see: plan --world N --help)"
     )
     args = parser.parse_args(argv)
 

@@ -90,9 +90,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # Head counts from the projections' widths (the -1s): a tensor-parallel shard holds
+        # n_head / tp query and n_kv_head / tp key/value heads, in the same ratio.
+        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         if self.n_kv_head != self.n_head:
