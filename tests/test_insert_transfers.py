@@ -355,19 +355,25 @@ def test_fences_of_multi_output_ops_verify(fn):
     other's buffer, so no fence reads an evicted sibling after its wait. Under checkpointing with
     a random op runs inside ``run_and_save_rng_state``, whose RNG-state output (a real tensor under
     Inductor: "Please convert all Tensors to FakeTensors first") no fence may take."""
+    from offload_compiler.graph_pair import is_rng_state
     from offload_compiler.passes import verify
-    from offload_compiler.passes.insert_transfers import _is_rng_state
 
     pair = _fence_pair(fn)
     fences = nodes_with_target(pair.forward, FENCE)
     assert fences
     verify.verify(pair, None)  # raised "'fence_..' reads 'getitem_1', an alias of evicted ..." before
-    rng = [n for n in pair.forward.graph.nodes if _is_rng_state(n)]
+    rng = [n for n in pair.forward.graph.nodes if is_rng_state(n)]
     assert (fn is _checkpointed_dropout) == bool(rng)
+    # The RNG state is saved for the recomputation; it is bound to its backward placeholder
+    # (named rng_state_output_<k>, not after the forward node) and kept on the device.
+    for n in rng:
+        (link,) = [link for link in pair.saved_links() if link.fw_node is n]
+        assert link.bw_placeholder is not None and link.bw_placeholder.name.startswith("rng_state_output")
+        assert pair.fw_outputs()[link.fw_output_index] is n
     pos = position(pair.forward)
     for f in fences:
         hosts, reader = f.args
-        assert not _is_rng_state(reader)
+        assert not is_rng_state(reader)
         assert isinstance(reader.meta["val"], torch.Tensor)
         for h in hosts:
             (wait,) = [u for u in h.users if u.target is EVICT_WAIT]

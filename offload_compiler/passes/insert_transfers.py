@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..graph_pair import GraphPair, fake_mode_of, tensor_vals
+from ..graph_pair import GraphPair, fake_mode_of, is_rng_state, tensor_vals
 from ..options import format_bytes
 from ..runtime.ops import EVICT, EVICT_WAIT, FENCE, PREFETCH, PREFETCH_WAIT, TRANSFER_OPS
 from .liveness import Liveness, fused_chain_end
@@ -174,32 +174,18 @@ def _after_in_order(a: fx.Node, b: fx.Node) -> bool:
     return False
 
 
-def _is_rng_state(node: fx.Node) -> bool:
-    """The random-number-generator state that activation checkpointing's
-    ``run_and_save_rng_state`` returns at index 0. Its fake kernel returns a real tensor
-    (``torch.get_rng_state()``), so Inductor sees a real tensor there: no trinity op may take it
-    as an argument."""
-    if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 0:
-        return False
-    src = node.args[0]
-    return isinstance(src, fx.Node) and src.op == "call_function" and src.target is _RUN_AND_SAVE_RNG_STATE
-
-
-_RUN_AND_SAVE_RNG_STATE = torch._prims.rng_prims.run_and_save_rng_state
-
-
 def _fence_operand(reader: fx.Node, order: dict) -> fx.Node | None:
     """The tensor a fence takes from ``reader``: its own value, or for a multi-output op (a tuple,
     possibly nested, unpacked by ``getitem`` nodes) the first element in graph order that is a
-    tensor, leaving out an RNG state (see :func:`_is_rng_state`). ``None`` when there is none."""
+    tensor, leaving out an RNG state (see :func:`~offload_compiler.graph_pair.is_rng_state`). ``None`` when there is none."""
     if isinstance(reader.meta.get("val"), torch.Tensor):
-        return None if _is_rng_state(reader) else reader
+        return None if is_rng_state(reader) else reader
     found = []
     frontier = [reader]
     while frontier:
         node = frontier.pop()
         for u in node.users:
-            if u.op != "call_function" or u.target is not operator.getitem or _is_rng_state(u):
+            if u.op != "call_function" or u.target is not operator.getitem or is_rng_state(u):
                 continue
             if isinstance(u.meta.get("val"), torch.Tensor):
                 found.append(u)
