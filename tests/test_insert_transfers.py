@@ -13,6 +13,7 @@ from offload_compiler.runtime.ops import EVICT, EVICT_WAIT, FENCE, PREFETCH, PRE
 from offload_compiler.runtime.transfer import TransferRuntime
 
 from ._pass_helpers import (
+    EVERY,
     gram_inputs,
     gram_pair,
     make_plan,
@@ -30,12 +31,12 @@ from ._pass_helpers import (
 
 # name: (pair maker taking a device, inputs maker, budget)
 CASES = {
-    "tanh_mm": (tanh_mm_pair, tanh_mm_inputs, 0),
+    "tanh_mm": (tanh_mm_pair, tanh_mm_inputs, EVERY),
     "mlp4_one": (mlp4_pair, mlp4_inputs, 1700),
-    "mlp4_all": (mlp4_pair, mlp4_inputs, 0),
-    "qkv_span": (qkv_pair, qkv_inputs, 0),
-    "gram_span": (gram_pair, gram_inputs, 0),
-    "same_view_twice": (tanh2_pair, tanh2_inputs, 0),
+    "mlp4_all": (mlp4_pair, mlp4_inputs, EVERY),
+    "qkv_span": (qkv_pair, qkv_inputs, EVERY),
+    "gram_span": (gram_pair, gram_inputs, EVERY),
+    "same_view_twice": (tanh2_pair, tanh2_inputs, EVERY),
 }
 IDS = list(CASES)
 
@@ -342,7 +343,7 @@ def _fence_pair(fn):
     w = torch.randn(8, 8, requires_grad=True)
     q, k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(3))
     pair = _dynamo_pair(fn, q, k, v, w)
-    live, _costs, plan = make_plan(pair, 0)
+    live, _costs, plan = make_plan(pair, EVERY)
     assert plan.evictions
     rt = TransferRuntime(torch.device("cpu"), 1 << 30)
     insert_transfers.apply(pair, live, plan, rt.id, fence_readers=True)
