@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-__all__ = ["GraphPair", "SavedLink", "tensor_vals", "fake_mode_of", "hint_int"]
+__all__ = ["GraphPair", "SavedLink", "tensor_vals", "fake_mode_of", "hint_int", "is_rng_state"]
 
 
 @dataclass(frozen=True)
@@ -54,17 +54,55 @@ class GraphPair:
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
     def saved_links(self) -> list[SavedLink]:
-        """Saved tensor outputs of the forward with their backward placeholders (by name, which
-        the partitioner keeps equal); a saved tensor with no placeholder has ``None``."""
-        bw_by_name = {n.name: n for n in self.backward.graph.find_nodes(op="placeholder")}
-        links = []
+        """Saved tensor outputs of the forward with their backward placeholders; a saved tensor
+        with no placeholder has ``None``.
+
+        Bound by name, which the partitioner keeps equal, except for the random-number-generator
+        states of activation checkpointing: the partitioner names their backward placeholders
+        ``rng_state_output_<k>``. Those are bound by position: the backward's tensor placeholders
+        are the saved tensors in the forward's output order, then the tangents
+        (``torch/_functorch/partitioners.py``, ``functionalize_rng_ops``). Position is used only
+        where every name-bound link agrees with it."""
+        bw_placeholders = list(self.backward.graph.find_nodes(op="placeholder"))
+        bw_by_name = {n.name: n for n in bw_placeholders}
+        bw_tensors = [n for n in bw_placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
+        saved = []
         for i, node in enumerate(self.fw_outputs()):
             if i < self.num_fwd_outputs or not isinstance(node, fx.Node):
                 continue
             if not isinstance(node.meta.get("val"), torch.Tensor):
                 continue
-            links.append(SavedLink(i, node, bw_by_name.get(node.name)))
+            saved.append((i, node))
+        positional = all(
+            j < len(bw_tensors) and bw_tensors[j] is bw_by_name[node.name]
+            for j, (_, node) in enumerate(saved)
+            if node.name in bw_by_name
+        )
+        links = []
+        for j, (i, node) in enumerate(saved):
+            ph = bw_by_name.get(node.name)
+            if ph is None and positional and is_rng_state(node) and j < len(bw_tensors):
+                candidate = bw_tensors[j]
+                if candidate.name.startswith("rng_state_output"):
+                    ph = candidate
+            links.append(SavedLink(i, node, ph))
         return links
+
+
+def is_rng_state(node: fx.Node) -> bool:
+    """Whether ``node`` is the random-number-generator state that activation checkpointing's
+    ``run_and_save_rng_state`` returns at index 0 (saved for the backward's recomputation).
+
+    Its fake kernel returns a real tensor (``torch.get_rng_state()``, ``torch/_prims/rng_prims.py``),
+    so Inductor sees a real tensor there: no trinity op may take it as an argument."""
+    if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 0:
+        return False
+    src = node.args[0]
+    return (
+        isinstance(src, fx.Node)
+        and src.op == "call_function"
+        and src.target is torch._prims.rng_prims.run_and_save_rng_state
+    )
 
 
 def tensor_vals(node: fx.Node) -> list[torch.Tensor]:

@@ -297,8 +297,16 @@ class CompileSession:
             dumper.json("liveness.json", _liveness_json(live, costs))
         fallback = None
         if not the_plan.feasible:
+            # A percentage budget is a fraction of the peak resolve_budget saw (with parameter
+            # offload, the one with every parameter resident).
+            reference = (model_state["liveness"] if model_state else live).peak_bytes
             message = plan_window.describe_infeasible(
-                the_plan, live, opts.memory_budget.describe(), opts.min_offload_bytes, opts.on_infeasible
+                the_plan,
+                live,
+                opts.memory_budget.describe(),
+                opts.min_offload_bytes,
+                opts.on_infeasible,
+                unplanned_peak_bytes=reference,
             )
             if opts.on_infeasible == "error":
                 if dumper:

@@ -186,9 +186,51 @@ def tight_peak_by_hand(live: liveness.Liveness, min_bytes: int = 0) -> int:
     return peak
 
 
-def make_plan(pair: GraphPair, budget, device_spec: DeviceSpec = ROUND, min_offload_bytes: int = 0):
-    live, costs = analyze(pair, device_spec)
+# A budget for make_plan: evict every candidate (see every_candidate_plan).
+EVERY = "every candidate"
+
+
+def make_plan(pair: GraphPair, budget, device_spec: DeviceSpec = ROUND, min_offload_bytes: int = 0, **kw):
+    """Liveness, costs and the planner's plan of ``pair`` at ``budget`` (bytes, ``None``, or
+    :data:`EVERY` for :func:`every_candidate_plan`); ``kw`` goes to liveness."""
+    live, costs = analyze(pair, device_spec, **kw)
+    if budget == EVERY:
+        return live, costs, every_candidate_plan(live, costs, min_offload_bytes)
     return live, costs, plan_window.plan(live, costs, budget, min_offload_bytes)
+
+
+def every_candidate_plan(live: liveness.Liveness, costs, min_offload_bytes: int = 0) -> plan_window.Plan:
+    """A plan that evicts every candidate with its tightest window (the D2H wait right after its
+    last forward reader, the prefetch right before its first backward reader), with the
+    planner's own copy groups. The planner itself evicts only what lowers the peak; the rewrite
+    and the verifier are tested on every candidate, whether or not it lowers the peak."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    evictions = []
+    for b in live.candidates(min_offload_bytes):
+        groups = plan_window.copy_groups(live, b.id)
+        issue = max(g.issue_after for g in groups)
+        evictions.append(
+            plan_window.Eviction(
+                buffer=b.id,
+                size_bytes=b.size_bytes,
+                groups=groups,
+                wait_after=max(b.last_fw_use, issue),
+                prefetch_before=b.first_bw_use,
+                idle_gap_seconds=0.0,
+            )
+        )
+    after = plan_window.planned_live_bytes(live, evictions)
+    return replace(
+        plan_window.plan(live, costs, None, min_offload_bytes),
+        budget_bytes=0,
+        evictions=tuple(evictions),
+        peak_bytes_planned=int(after.max()),
+        peak_step_planned=int(np.argmax(after)),
+        feasible=False,
+    )
 
 
 # ------------------------------------------------------------------------------ running

@@ -20,8 +20,12 @@ import json
 import numpy as np
 import pytest
 import sympy
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload_compiler.devices import DeviceSpec
+from offload_compiler.options import MemoryBudget
 from offload_compiler.passes import plan_window
 from offload_compiler.passes.cost_model import Costs
 from offload_compiler.passes.liveness import Buffer, BufferKind, Liveness, SavedTensor, Step
@@ -29,6 +33,7 @@ from offload_compiler.passes.liveness import Buffer, BufferKind, Liveness, Saved
 from ._pass_helpers import (
     analyze,
     buffer_holding,
+    every_candidate_plan,
     gram_pair,
     make_plan,
     mlp4_pair,
@@ -37,6 +42,7 @@ from ._pass_helpers import (
     spec,
     tight_peak_by_hand,
 )
+from .graphs import capture_pair
 
 UNPLANNED = 1860
 LOWEST = 1476
@@ -119,7 +125,7 @@ def test_feasible_budget(mlp4, fraction):
     assert plan.peak_bytes_planned <= budget
 
 
-def test_infeasible_budget_evicts_everything_tightly(mlp4):
+def test_infeasible_budget_evicts_tightly_only_what_lowers_the_peak(mlp4):
     live, costs = mlp4
     plan = plan_window.plan(live, costs, 1000)
     assert not plan.feasible
@@ -129,15 +135,19 @@ def test_infeasible_budget_evicts_everything_tightly(mlp4):
     check_windows(live, plan)
     check_consistent(live, costs, plan)
     # Tight: each waits right after its last forward reader and prefetches right before its first
-    # backward reader.
+    # backward reader. Only tanh and tanh_1 are evicted: with both on the host the unplanned peak
+    # at mm_5 drops to 1860 - 512 = 1348 B, below the lowest peak (1476 B at mm_9, where the
+    # prefetched tanh is back); evicting tanh_2 or tanh_3 too would copy 512 B each way for nothing.
     step = live.step_named
     windows = {live.buffers[e.buffer].nodes[0]: (e.wait_after, e.prefetch_before) for e in plan.evictions}
     assert windows == {
         "forward:tanh": (step("forward", "mm_1"), step("backward", "t_4")),
         "forward:tanh_1": (step("forward", "mm_2"), step("backward", "t_2")),
-        "forward:tanh_2": (step("forward", "mm_3"), step("backward", "t")),
-        "forward:tanh_3": (step("forward", "sum_1"), step("backward", "tanh_backward")),
     }
+    # Each kept eviction is needed: without it the peak is above the lowest.
+    for ev in plan.evictions:
+        rest = [e for e in plan.evictions if e is not ev]
+        assert max(planned_live_by_hand(live, rest)) > LOWEST
     assert live.steps[plan.peak_step_planned].node == "mm_9"
     assert dict(plan.peak_breakdown) == {
         "temporary": 512,
@@ -158,11 +168,16 @@ def test_describe_infeasible_names_budget_lowest_and_dominant_kind(mlp4):
     assert "1.82 KiB without offloading" in text  # 1860 B
     assert "dominated by temporary" in text
     assert "backward node 'mm_9'" in text
-    assert "All 4 saved activations that can be offloaded are." in text
+    # The lowest-peak plan offloads tanh and tanh_1 only (the others would not lower it).
+    assert "2 of the 4 saved activations that can be offloaded are; offloading the others would not lower it." in text
+    # 1476 / 1860 = 79.36%: the percentage to pass back, rounded up so that it resolves to at
+    # least the lowest peak (int(0.794 * 1860) = 1476).
+    assert "The lowest budget that runs is memory_budget='79.4%'" in text
+    assert "or memory_budget=1476 (bytes)" in text
     assert "Raise memory_budget or pass on_infeasible='warn'" in text  # min_offload_bytes is 0
     assert "min_offload_bytes" not in text
     text = plan_window.describe_infeasible(plan, live, "1000 bytes", 4096, on_infeasible="warn")
-    assert "All 4 saved activations of at least 4.00 KiB that can be offloaded are." in text
+    assert "2 of the 4 saved activations of at least 4.00 KiB that can be offloaded are;" in text
     assert "Raise memory_budget or lower min_offload_bytes." in text
     assert "on_infeasible" not in text
 
@@ -176,9 +191,11 @@ def test_min_offload_bytes_excludes_small_buffers():
     for min_bytes, expected in [(0, {proj, qk}), (32, {proj, qk}), (33, {proj}), (96, {proj}), (97, set())]:
         plan = plan_window.plan(live, costs, 0, min_offload_bytes=min_bytes)
         assert plan.num_candidates == len(expected)
-        assert {e.buffer for e in plan.evictions} == expected
-        if not expected:
-            assert plan.lowest_reachable_peak_bytes == plan.peak_bytes_unplanned
+        assert {b.id for b in live.candidates(min_bytes)} == expected
+        # qkv's peak (backward mm_1) is where both candidates are read: offloading cannot lower
+        # it, so the lowest-peak plan copies nothing (a copy there would buy nothing).
+        assert plan.lowest_reachable_peak_bytes == plan.peak_bytes_unplanned
+        assert plan.evictions == ()
 
 
 def test_min_offload_bytes_can_make_a_budget_infeasible(mlp4):
@@ -192,7 +209,7 @@ def test_min_offload_bytes_can_make_a_budget_infeasible(mlp4):
 # ---------------------------------------------------------------------------- copy groups
 def test_span_group_for_q_k_v_split():
     live, costs = analyze(qkv_pair())
-    plan = plan_window.plan(live, costs, 0)
+    plan = every_candidate_plan(live, costs)  # the copy groups of every candidate
     proj = buffer_holding(live, "forward:mm")
     (ev,) = [e for e in plan.evictions if e.buffer == proj.id]
     (g,) = ev.groups
@@ -214,7 +231,7 @@ def test_span_group_for_q_k_v_split():
 
 def test_span_group_for_tensor_and_transpose():
     live, costs = analyze(gram_pair())
-    plan = plan_window.plan(live, costs, 0)
+    plan = every_candidate_plan(live, costs)  # the copy groups of every candidate
     (ev,) = plan.evictions
     (g,) = ev.groups
     step = live.step_named
@@ -231,7 +248,7 @@ def test_span_group_for_tensor_and_transpose():
 def test_late_detach_is_copied_from_its_first_holder(mlp4):
     # tanh_3 is saved as detach_4 (defined at 15, after sum_1); the copy starts at tanh_3 (12).
     live, costs = mlp4
-    plan = plan_window.plan(live, costs, 0)
+    plan = every_candidate_plan(live, costs)  # the copy groups of every candidate
     buf = buffer_holding(live, "forward:tanh_3")
     (ev,) = [e for e in plan.evictions if e.buffer == buf.id]
     (g,) = ev.groups
@@ -434,3 +451,44 @@ def test_plan_is_a_pure_function(mlp4):
     b = plan_window.plan(live, costs, 1700)
     assert a == b
     assert (live.live_bytes() == before).all()
+
+
+# ---------------------------------------------------------------------------- the lowest-peak plan
+def _temporary_first(w, x):
+    """A 16x temporary of x is the peak, before the saved activations (the sum and tanh) exist."""
+    big = (x.unsqueeze(0) * torch.ones(16, 1, 1)).sum(0)
+    return torch.tanh(big @ w).sum()
+
+
+def test_lowest_peak_plan_evicts_nothing_when_offloading_cannot_lower_the_peak():
+    torch.manual_seed(0)
+    pair = capture_pair(_temporary_first, torch.randn(8, 8, requires_grad=True), torch.randn(64, 8), static=(0,))
+    live, costs = analyze(pair)
+    assert live.steps[live.peak_step].graph == "forward"
+    assert len(live.candidates()) == 2
+    plan = plan_window.plan(live, costs, 1000)
+    assert not plan.feasible and plan.num_candidates == 2
+    assert plan.lowest_reachable_peak_bytes == plan.peak_bytes_unplanned == tight_peak_by_hand(live)
+    assert plan.evictions == ()  # a copy would buy nothing
+    assert plan.copy_bytes == 0 and plan.exposed_transfer_seconds == 0.0
+    check_consistent(live, costs, plan)
+    text = plan_window.describe_infeasible(plan, live, "1000 bytes", 0)
+    assert "Offloading cannot lower this graph's peak" in text
+    assert "memory_budget='100%'" in text
+    assert "None of the 2 saved activations that can be offloaded would lower it." in text
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 10**12), st.data())
+def test_lowest_budget_percent_resolves_to_at_least_the_lowest_peak(unplanned, data):
+    lowest = data.draw(st.integers(0, unplanned))
+    text = plan_window.lowest_budget_percent(lowest, unplanned)
+    budget = MemoryBudget.parse(text)
+    assert budget.kind == "fraction"
+    assert int(budget.value * unplanned) >= lowest  # as resolve_budget resolves it
+    pct = float(text[:-1])
+    assert 0 < pct <= 100 and round(pct * 10) == pct * 10  # 0.1% steps
+    if lowest < unplanned and pct > 0.1:
+        # The next 0.1% down would not do (or is not needed: the percentage is the smallest).
+        lower = MemoryBudget.parse(f"{(round(pct * 10) - 1) / 10}%")
+        assert int(lower.value * unplanned) < lowest or pct <= 100 * lowest / unplanned + 0.1

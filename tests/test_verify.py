@@ -4,13 +4,15 @@ message that names the problem."""
 import pytest
 import torch
 
-from offload_compiler.passes import insert_transfers, plan_window, verify
+from offload_compiler.passes import insert_transfers, verify
 from offload_compiler.passes.verify import VerificationError
 from offload_compiler.runtime.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
 
 from ._pass_helpers import (
+    EVERY,
     analyze,
     gram_pair,
+    make_plan,
     mlp4_pair,
     nodes_with_target,
     qkv_pair,
@@ -19,20 +21,19 @@ from ._pass_helpers import (
 )
 
 CASES = {
-    "tanh_mm": (tanh_mm_pair, 0),
+    "tanh_mm": (tanh_mm_pair, EVERY),
     "mlp4_one": (mlp4_pair, 1700),
-    "mlp4_all": (mlp4_pair, 0),
-    "qkv_span": (qkv_pair, 0),
-    "gram_span": (gram_pair, 0),
-    "same_view_twice": (tanh2_pair, 0),
+    "mlp4_all": (mlp4_pair, EVERY),
+    "qkv_span": (qkv_pair, EVERY),
+    "gram_span": (gram_pair, EVERY),
+    "same_view_twice": (tanh2_pair, EVERY),
 }
 
 
 def rewritten(name, assume_fusion=False):
     make, budget = CASES[name]
     pair = make()
-    live, costs = analyze(pair, assume_fusion=assume_fusion)
-    plan = plan_window.plan(live, costs, budget)
+    live, _costs, plan = make_plan(pair, budget, assume_fusion=assume_fusion)
     assert plan.evictions
     insert_transfers.apply(pair, live, plan, runtime_id=1)
     return pair, plan

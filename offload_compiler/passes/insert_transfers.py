@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..graph_pair import GraphPair, fake_mode_of, tensor_vals
+from ..graph_pair import GraphPair, fake_mode_of, is_rng_state, tensor_vals
 from ..options import format_bytes
 from ..runtime.ops import EVICT, EVICT_WAIT, FENCE, PREFETCH, PREFETCH_WAIT, TRANSFER_OPS
 from .liveness import Liveness, fused_chain_end
@@ -149,15 +149,18 @@ def _fused_nodes(graph: fx.Graph, liveness: Liveness, graph_name: str) -> set:
 
 
 def _past_sibling_getitems(node: fx.Node) -> fx.Node:
-    """The last of the ``getitem`` nodes that follow ``node`` and index the same multi-output op
-    as it does (``node`` itself when it is not such a getitem). Transfers go after the whole
-    group: a getitem after an ``evict_wait`` would keep the op's tuple, and so the evicted
-    element, alive past its free (see ``reorder``, which groups the getitems)."""
-    if node.op != "call_function" or node.target is not operator.getitem:
-        return node
-    producer = node.args[0]
-    while node.next.op == "call_function" and node.next.target is operator.getitem and node.next.args[0] is producer:
+    """The last of the ``getitem`` nodes that directly follow ``node`` and unpack the same
+    multi-output op (``node`` itself, or the op ``node`` indexes; nested tuples included), or
+    ``node`` when none follows. Transfers go after the whole group: a getitem after an
+    ``evict_wait`` would keep the op's tuple, and so the evicted element, alive past its free
+    (see ``reorder``, which groups the getitems); and a wait between a multi-output reader and its
+    getitems would come before the fence that orders the reader ahead of it."""
+    group = {node}
+    if node.op == "call_function" and node.target is operator.getitem:
+        group.add(node.args[0])
+    while node.next.op == "call_function" and node.next.target is operator.getitem and node.next.args[0] in group:
         node = node.next
+        group.add(node)
     return node
 
 
@@ -171,10 +174,41 @@ def _after_in_order(a: fx.Node, b: fx.Node) -> bool:
     return False
 
 
+def _fence_operand(reader: fx.Node, order: dict) -> fx.Node | None:
+    """The tensor a fence takes from ``reader``: its own value, or for a multi-output op (a tuple,
+    possibly nested, unpacked by ``getitem`` nodes) the first element in graph order that is a
+    tensor, leaving out an RNG state (see :func:`~offload_compiler.graph_pair.is_rng_state`). ``None`` when there is none."""
+    if isinstance(reader.meta.get("val"), torch.Tensor):
+        return None if is_rng_state(reader) else reader
+    found = []
+    frontier = [reader]
+    while frontier:
+        node = frontier.pop()
+        for u in node.users:
+            if u.op != "call_function" or u.target is not operator.getitem or is_rng_state(u):
+                continue
+            if isinstance(u.meta.get("val"), torch.Tensor):
+                found.append(u)
+            else:
+                frontier.append(u)
+    return min(found, key=lambda n: order[n]) if found else None
+
+
+def _is_multi_output(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list)) or any(
+        u.op == "call_function" and u.target is operator.getitem for u in node.users
+    )
+
+
 def _insert_fences(fw_graph: fx.Graph, liveness: Liveness, plan: Plan, host_of: dict) -> int:
     """Put a ``trinity::fence`` after every forward reader of an evicted buffer (see ops.py), so
     Inductor orders it before the buffer's waits. A reader fused into its only reader is fenced
-    where the fused chain ends (fencing it directly would make Inductor materialise it)."""
+    where the fused chain ends (fencing it directly would make Inductor materialise it).
+
+    When the evicted buffer is one output of a multi-output op (SDPA's logsumexp, a checkpointed
+    op's result), the op node holds it too, but the op's other ``getitem`` nodes are siblings, not
+    readers: each selects its own output. A multi-output reader is fenced through one of its
+    tensor outputs (never an RNG state, which is a real tensor under Inductor)."""
     by_name = {n.name: n for n in fw_graph.nodes}
     # Readers the inner compiler fuses into their only reader are read where that chain ends.
     fused = _fused_nodes(fw_graph, liveness, "forward")
@@ -191,9 +225,12 @@ def _insert_fences(fw_graph: fx.Graph, liveness: Liveness, plan: Plan, host_of: 
         skip = set(hosts) | aliases
         readers = []
         for a in aliases:
+            multi = _is_multi_output(a)
             for u in a.users:
                 if u in skip or u.op != "call_function" or u.target in TRANSFER_OPS:
                     continue
+                if multi and u.target is operator.getitem:
+                    continue  # a sibling output (the buffer's own getitem is an alias, skipped)
                 if u.target is torch.ops.aten.as_strided.default and any(h.args[0] is u for h in hosts):
                     continue  # the span/view the copy reads
                 end = fused_chain_end(u, fused)
@@ -201,12 +238,9 @@ def _insert_fences(fw_graph: fx.Graph, liveness: Liveness, plan: Plan, host_of: 
                     readers.append(end)
         order = {n: i for i, n in enumerate(fw_graph.nodes)}
         for r in sorted(set(readers), key=lambda n: order[n]):
-            val = r.meta.get("val")
-            if not isinstance(val, torch.Tensor):
-                getitems = [u for u in r.users if isinstance(u.meta.get("val"), torch.Tensor)]
-                if not getitems:
-                    continue
-                r = min(getitems, key=lambda n: order[n])
+            r = _fence_operand(r, order)
+            if r is None:
+                continue
             after = max([r] + hosts, key=lambda n: order[n])
             with fw_graph.inserting_after(after):
                 fence = fw_graph.call_function(FENCE, (hosts, r))

@@ -33,7 +33,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..graph_pair import GraphPair, hint_int, tensor_vals
+from ..graph_pair import GraphPair, hint_int, is_rng_state, tensor_vals
 from ..runtime.ops import EVICT, PREFETCH
 from ..runtime.transfer import span_bytes
 
@@ -588,6 +588,9 @@ def analyze(pair: GraphPair, assume_fusion: bool = False) -> Liveness:
         kind = kind_of.get(root, BufferKind.TEMPORARY) if root is not None else None
         if not reason and kind is not BufferKind.SAVED:
             reason = f"aliases a {kind.value}" if kind else "no storage"
+        if not reason and is_rng_state(link.fw_node):
+            # A few KiB; and Inductor sees it as a real tensor, which no trinity op may take.
+            reason = "random-number-generator state of a checkpointed random op"
         if not reason and (ph is None or not ph.users):
             reason = "no backward reader"
         if not reason and val.device != device:

@@ -31,12 +31,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..options import format_bytes
+from ..options import MemoryBudget, format_bytes
 from .cost_model import Costs
 from .liveness import Liveness
 from .simulate import CopyTask, Timeline, simulate
 
-__all__ = ["CopyGroup", "Eviction", "Plan", "plan", "planned_live_bytes", "copy_tasks"]
+__all__ = ["CopyGroup", "Eviction", "Plan", "plan", "planned_live_bytes", "copy_tasks", "copy_groups"]
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,12 @@ def _groups(liveness: Liveness, buffer_id: int) -> list[CopyGroup]:
     return per_view
 
 
+def copy_groups(liveness: Liveness, buffer_id: int) -> tuple[CopyGroup, ...]:
+    """The host copies the planner makes for buffer ``buffer_id`` when it evicts it: one per
+    distinct saved view, or one ``"span"`` copy for all of them (see :class:`CopyGroup`)."""
+    return tuple(_groups(liveness, buffer_id))
+
+
 def planned_live_bytes(liveness: Liveness, evictions: tuple[Eviction, ...] | list[Eviction]) -> np.ndarray:
     """Device bytes live at each step with ``evictions`` applied (int64 array)."""
     diff = np.zeros(liveness.num_steps + 1, dtype=np.int64)
@@ -304,7 +310,8 @@ def plan(liveness: Liveness, costs: Costs, budget_bytes: int | None, min_offload
         if lowest > budget_bytes:
             for c in cands:
                 c.e, c.p, c.selected = c.lo_e, c.hi_p, True
-            cur = tight
+            cur = tight.copy()
+            _drop_unneeded(cands, cur, lowest, change)
         else:
             _select(cands, cur, budget_bytes, exposure, change)
             if cur.max() > budget_bytes:
@@ -312,6 +319,7 @@ def plan(liveness: Liveness, costs: Costs, budget_bytes: int | None, min_offload
                 for c in cands:
                     c.e, c.p, c.selected = c.lo_e, c.hi_p, True
                 cur = tight.copy()
+                _drop_unneeded(cands, cur, budget_bytes, change)
             _place_for_contention(cands, cur, budget_bytes, ce, b0)
 
     chosen = [c for c in cands if c.selected]
@@ -346,6 +354,22 @@ def plan(liveness: Liveness, costs: Costs, budget_bytes: int | None, min_offload
         compute_seconds=timeline.compute_seconds,
         num_candidates=len(cands),
     )
+
+
+def _drop_unneeded(cands, cur: np.ndarray, limit: int, change) -> None:
+    """Unselect every candidate whose eviction is not needed to keep the peak within ``limit``:
+    a copy that buys nothing (its buffer is not live at any step the limit binds, or offloading
+    cannot lower the peak at all) costs host-link time for no memory. Mutates ``cands`` and
+    ``cur`` (the live bytes with the selected candidates applied).
+
+    One pass, most copy bytes first, is enough for a set from which no single eviction can be
+    dropped: dropping evictions only raises the live bytes, so a candidate needed with more
+    evictions selected is needed with fewer too."""
+    for c in sorted((c for c in cands if c.selected), key=lambda c: -sum(g.copy_bytes for g in c.groups)):
+        without = cur - change(c, c.e, c.p)
+        if without.max() <= limit:
+            cur[:] = without
+            c.selected = False
 
 
 def _select(cands, cur: np.ndarray, budget: int, exposure, change) -> None:
@@ -472,12 +496,41 @@ def _breakdown(liveness: Liveness, evictions, step: int) -> dict[str, int]:
     return dict(sorted(((k, v) for k, v in out.items() if v), key=lambda kv: -kv[1]))
 
 
+def lowest_budget_percent(lowest_peak_bytes: int, unplanned_peak_bytes: int) -> str:
+    """The smallest ``memory_budget`` percentage, to 0.1%, that resolves to at least
+    ``lowest_peak_bytes``: resolved as the backend does (``int(fraction * unplanned_peak_bytes)``,
+    :func:`offload_compiler.pipeline.resolve_budget`), so passing it back is never below the
+    lowest reachable peak by a rounding. At most ``"100%"``.
+
+    Returns a string such as ``"62.5%"`` that :meth:`~offload_compiler.options.MemoryBudget.parse`
+    accepts."""
+    if unplanned_peak_bytes <= 0 or lowest_peak_bytes >= unplanned_peak_bytes:
+        return "100%"
+    tenths = max(1, -(-1000 * lowest_peak_bytes // unplanned_peak_bytes))  # ceiling, at least 0.1%
+    while tenths < 1000:
+        text = f"{tenths // 10}.{tenths % 10}%" if tenths % 10 else f"{tenths // 10}%"
+        if int(MemoryBudget.parse(text).value * unplanned_peak_bytes) >= lowest_peak_bytes:
+            return text
+        tenths += 1
+    return "100%"
+
+
 def describe_infeasible(
-    plan_: Plan, liveness: Liveness, budget_request: str, min_offload_bytes: int, on_infeasible: str = "error"
+    plan_: Plan,
+    liveness: Liveness,
+    budget_request: str,
+    min_offload_bytes: int,
+    on_infeasible: str = "error",
+    unplanned_peak_bytes: int | None = None,
 ) -> str:
-    """The error text for a budget no plan reaches: the budget, the lowest reachable peak, what
-    dominates that peak, and only the remedies that apply (no "lower min_offload_bytes" when it
-    is 0, no "pass on_infeasible='warn'" when it is already ``"warn"``)."""
+    """The error text for a budget no plan reaches: the budget, the lowest reachable peak (in
+    bytes and as the ``memory_budget`` percentage that reaches it, see
+    :func:`lowest_budget_percent`), what dominates that peak, and only the remedies that apply (no
+    "lower min_offload_bytes" when it is 0, no "pass on_infeasible='warn'" when it is already
+    ``"warn"``).
+
+    ``unplanned_peak_bytes``: the peak a percentage budget is a fraction of (default: the plan's
+    unplanned peak; with parameter offload, the peak with every parameter resident)."""
     parts = ", ".join(
         f"{kind} {format_bytes(b)} ({100 * b / max(1, plan_.lowest_reachable_peak_bytes):.0f}%)"
         for kind, b in plan_.peak_breakdown
@@ -490,8 +543,31 @@ def describe_infeasible(
     size = f" of at least {format_bytes(min_offload_bytes)}" if min_offload_bytes > 0 else ""
     if n == 0:
         candidates = f"No saved activation{size} can be offloaded."
-    else:
+    elif len(plan_.evictions) == n:
         candidates = f"All {n} saved activation{'s' if n != 1 else ''}{size} that can be offloaded are."
+    elif not plan_.evictions:
+        candidates = (
+            f"None of the {n} saved activation{'s' if n != 1 else ''}{size} that can be offloaded would lower it."
+        )
+    else:
+        k = len(plan_.evictions)
+        candidates = (
+            f"{k} of the {n} saved activation{'s' if n != 1 else ''}{size} that can be offloaded "
+            f"{'is' if k == 1 else 'are'}; offloading the others would not lower it."
+        )
+    reference = plan_.peak_bytes_unplanned if unplanned_peak_bytes is None else unplanned_peak_bytes
+    lowest = plan_.lowest_reachable_peak_bytes
+    percent = lowest_budget_percent(lowest, reference)
+    if lowest >= reference:
+        reach = (
+            "Offloading cannot lower this graph's peak: the lowest budget that runs is "
+            f"memory_budget='100%' ({format_bytes(reference)}, {reference} bytes)."
+        )
+    else:
+        reach = (
+            f"The lowest budget that runs is memory_budget='{percent}' of this graph's peak without "
+            f"offloading, or memory_budget={lowest} (bytes)."
+        )
     remedies = ["raise memory_budget"]
     if min_offload_bytes > 0:
         remedies.append("lower min_offload_bytes")
@@ -504,5 +580,5 @@ def describe_infeasible(
         f"{format_bytes(plan_.lowest_reachable_peak_bytes)} ({plan_.lowest_reachable_peak_bytes} bytes; "
         f"{format_bytes(plan_.peak_bytes_unplanned)} without offloading), at {step.graph} node "
         f"{step.node!r}. That peak is dominated by {dominant}: {parts}. "
-        f"{candidates} {remedy}."
+        f"{candidates} {reach} {remedy}."
     )
