@@ -34,6 +34,7 @@ EXPECTED_ALLOWED = sorted(
         "fault_injection",
         "offload",
         "num_streams",
+        "runtime_check",
         "peak_flops",
         "hbm_bytes_per_s",
         "h2d_bytes_per_s",
@@ -332,6 +333,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "fault_injection": 7,
         "offload": "all",
         "num_streams": 3,
+        "runtime_check": "measure",
     }
     opts = build(options)
     assert opts.to_dict() == {
@@ -355,6 +357,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "fault_injection": 7,
         "offload": "all",
         "num_streams": 3,
+        "runtime_check": "measure",
     }
     assert_round_trips(opts)
 
@@ -666,3 +669,16 @@ def test_parameter_offload_with_inductor_is_refused_up_front():
     with pytest.raises(ValueError, match=r"'offload': 'all' needs inner='eager'.*inner='inductor'"):
         build({"offload": "all"})  # inner defaults to "inductor"
     assert build({"offload": "all", "inner": "eager"}).offload == "all"
+
+
+def test_runtime_check_forms_and_errors():
+    assert build().runtime_check == "replan"
+    for value in ("replan", "measure", "off"):
+        assert build({"runtime_check": value}).runtime_check == value
+        assert_round_trips(build({"runtime_check": value}))
+    assert build(env={"TRINITY_RUNTIME_CHECK": "off"}).runtime_check == "off"
+    for bad in ("on", True, None, "Replan"):
+        with pytest.raises(ValueError, match=r"'runtime_check'.*'replan', 'measure', 'off'"):
+            build({"runtime_check": bad})
+    with pytest.raises(ValueError, match="TRINITY_RUNTIME_CHECK"):
+        build(env={"TRINITY_RUNTIME_CHECK": "sometimes"})

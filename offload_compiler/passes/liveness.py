@@ -36,8 +36,18 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..graph_pair import GraphPair, hint_int, tensor_vals
 from ..runtime.ops import EVICT, PREFETCH
 from ..runtime.transfer import span_bytes
+from .margins import WorkspaceMargins
 
-__all__ = ["BufferKind", "Buffer", "SavedTensor", "Step", "Liveness", "analyze", "graph_device"]
+__all__ = [
+    "BufferKind",
+    "Buffer",
+    "SavedTensor",
+    "Step",
+    "Liveness",
+    "analyze",
+    "graph_device",
+    "table_workspace_bytes",
+]
 
 
 class BufferKind(str, enum.Enum):
@@ -295,6 +305,12 @@ def _workspace(node: fx.Node) -> int:
     return int(factor * nbytes)
 
 
+def table_workspace_bytes(node: fx.Node) -> int:
+    """The op workspace the plan models for ``node`` from :data:`_WORKSPACE` alone (bytes, with
+    shape hints; 0 for ops not listed), before any measured margin."""
+    return _workspace(node)
+
+
 def _view_exprs(t: torch.Tensor) -> tuple:
     """(sizes, strides, offset, dtype) with symbols as sympy expressions, for exact comparison."""
 
@@ -390,12 +406,13 @@ def _fusible(node: fx.Node) -> bool:
     return torch.Tag.pointwise in user.target.tags or torch.Tag.reduction in user.target.tags
 
 
-def analyze(pair: GraphPair, assume_fusion: bool = False) -> Liveness:
+def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMargins | None = None) -> Liveness:
     """Buffers, live ranges and saved tensors of ``pair`` over the joint schedule.
 
     With ``assume_fusion`` (the inner compiler is Inductor), a temporary made by a pointwise op
     whose only reader is pointwise or a reduction is taken to be fused away (see
-    :attr:`Buffer.fused`).
+    :attr:`Buffer.fused`). With ``margins`` (workspace measured on this machine, see
+    :mod:`.margins`), a node's workspace is the larger of :data:`_WORKSPACE`'s and the measured one.
 
     Raises:
         ValueError: if a node's ``meta["val"]`` is missing where a tensor is expected (the graph
@@ -670,6 +687,9 @@ def analyze(pair: GraphPair, assume_fusion: bool = False) -> Liveness:
         buffers=tuple(buffers),
         saved=tuple(saved),
         device=str(device),
-        workspace_bytes=tuple(_workspace(n) for n in fw_nodes + bw_nodes),
+        workspace_bytes=tuple(
+            max(_workspace(n), margins.node_bytes(n)) if margins is not None else _workspace(n)
+            for n in fw_nodes + bw_nodes
+        ),
         step_of=step_of,
     )
