@@ -64,7 +64,6 @@ leaves that thread's profiler session open (on the CPU it is closed at the next 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import threading
@@ -254,14 +253,6 @@ class _Trace:
     def is_open(self) -> bool:
         return self._open is not None
 
-    @contextlib.contextmanager
-    def session(self, phase: str):
-        self.start(phase)
-        try:
-            yield
-        finally:
-            self.stop()
-
     def _collect(self, prof) -> None:
         from torch._C._profiler import _EventType
 
@@ -448,8 +439,20 @@ class CheckedCompile:
         planned = self._session.planned_steps
         names = frozenset(op for op in planned.ops if op)
         trace = _Trace(torch.device(planned.device), names)
-        with trace.session("forward"):
+        try:
+            trace.start("forward")
+        except Exception as exc:  # the check must never break a step
+            self._give_up(trace, exc)
+            return self._current(*args)
+        try:
             out = self._current(*args)
+        finally:
+            try:
+                trace.stop()
+            except Exception as exc:
+                self._give_up(trace, exc)
+        if not trace.valid:
+            return out
         node = _backward_node(out)
         if node is None:
             self._attempts += 1
@@ -462,16 +465,22 @@ class CheckedCompile:
             if fired[0]:
                 return None
             fired[0] = True
-            if measure_step_enabled() and trace.valid:
-                trace.start("backward")
-            else:
+            if not (measure_step_enabled() and trace.valid):
                 trace.valid = False
+                return None
+            try:
+                trace.start("backward")
+            except Exception as exc:  # the check must never break a backward
+                self._give_up(trace, exc)
             return None
 
         def post(grad_inputs, grad_outputs):
             if trace.is_open and trace._open_thread == threading.get_ident():
-                trace.stop()
-                self._finish(trace)
+                try:
+                    trace.stop()
+                    self._finish(trace)
+                except Exception as exc:
+                    self._give_up(trace, exc)
             return None
 
         handles = [node.register_prehook(pre), node.register_hook(post)]
@@ -479,6 +488,18 @@ class CheckedCompile:
             self._pending = (trace, handles, 0)
             self._state = "pending"
         return out
+
+    def _give_up(self, trace: _Trace, exc: BaseException) -> None:
+        """Stop checking after an error inside the check itself (it never breaks a step)."""
+        trace.valid = False
+        with self._lock:
+            self._pending = None
+            self._state = "done"
+        warnings.warn(
+            f"trinity runtime_check: measuring the first step failed ({type(exc).__name__}: {exc}); the pair is "
+            "not checked",
+            stacklevel=2,
+        )
 
     # ------------------------------------------------------------------ after a measured step
     def _finish(self, trace: _Trace) -> None:
