@@ -82,7 +82,7 @@ __all__ = ["PlannedSteps", "StepMeasurement", "CheckedCompile", "MAX_REPLANS", "
 
 MAX_REPLANS = 2
 # A forward measured but whose backward never ran (the graph was dropped) is given up after this
-# many further calls, and measured again.
+# many further calls, and another step is measured; after _ATTEMPTS such steps the check stops.
 _PENDING_CALLS = 3
 _ATTEMPTS = 3
 # Transients below this (bytes) are the allocator's small bookkeeping (a wrapped scalar, a shape
@@ -394,8 +394,7 @@ class CheckedCompile:
         self._replans = 0
         self._due: StepMeasurement | None = None
         self._pending: tuple[_Trace, list, int] | None = None
-        self._attempts = 0
-        self._warned = False
+        self._attempts = 0  # measured forwards whose step could not be measured
         self.measurements: list[StepMeasurement] = []
         self._state = "measure" if self._checkable() else "done"
         if getattr(compiled, "_boxed_call", False):
@@ -431,7 +430,8 @@ class CheckedCompile:
                 for h in handles:
                     h.remove()
                 self._pending = None
-                self._state = "measure"
+                self._attempts += 1
+                self._state = "measure" if self._attempts < _ATTEMPTS else "done"
             else:
                 self._pending = (trace, handles, calls)
 
@@ -509,7 +509,8 @@ class CheckedCompile:
         with self._lock:
             self._pending = None
             if not trace.valid or trace.phases != ["forward", "backward"]:
-                self._state = "measure"
+                self._attempts += 1
+                self._state = "measure" if self._attempts < _ATTEMPTS else "done"
                 return
             if trace.device.type == "cuda" and trace.cuda_delta != 0 and not trace.allocations:
                 self._state = "done"
