@@ -231,7 +231,8 @@ class TrinityOptions:
             workspace it allocates and frees inside itself), reports it
             (``TrinityReport.measured_peak_bytes``) and, where the measured peak is above the
             budget, plans again with the measured workspace as margins (at most twice);
-            ``"measure"`` measures and reports only; ``"off"`` does neither.
+            ``"measure"`` measures and reports only; ``"off"`` does neither. Off under
+            ``fault_injection`` (its deferred copies keep memory alive on purpose).
     """
 
     memory_budget: MemoryBudget = field(default_factory=lambda: MemoryBudget("auto"))

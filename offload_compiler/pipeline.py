@@ -343,7 +343,7 @@ class CompileSession:
             log.info("%s", residency.summary())
             if dumper:
                 dumper.text("residency.json", residency.to_json())
-        if opts.runtime_check != "off":
+        if opts.runtime_check != "off" and opts.fault_injection is None:
             from .runtime.step_check import PlannedSteps
 
             self.planned_steps = PlannedSteps.of(pair, opts.inner == "inductor", self.margins)

@@ -503,8 +503,6 @@ class CheckedCompile:
 
     # ------------------------------------------------------------------ after a measured step
     def _finish(self, trace: _Trace) -> None:
-        from ..report import replace_report
-
         planned = self._session.planned_steps
         with self._lock:
             self._pending = None
@@ -524,7 +522,7 @@ class CheckedCompile:
             self.measurements.append(m)
             old = self.report
             new = dataclasses.replace(old, measured_peak_bytes=m.peak_bytes)
-            replace_report(old, new)
+            _replace(old, new)
             self._session.reports[-1] = new
             if self._first is None:
                 self._first = (m.peak_bytes, old.peak_bytes_planned)
@@ -561,7 +559,7 @@ class CheckedCompile:
 
     def _replan(self) -> None:
         from ..pipeline import InfeasibleBudgetError
-        from ..report import MeasuredCorrection, replace_report
+        from ..report import MeasuredCorrection
 
         with self._lock:
             m, self._due = self._due, None
@@ -615,7 +613,7 @@ class CheckedCompile:
             method=m.method,
         )
         final = dataclasses.replace(recorded, graph_id=old_report.graph_id, correction=correction)
-        replace_report(old_report, final, drop=recorded)
+        _replace(old_report, final, drop=recorded)
         session.reports[-1] = final
         with self._lock:
             self._retired.append((self._current, self._session))
@@ -623,6 +621,21 @@ class CheckedCompile:
             self._current = compiled
             self._session = session
             self._state = "measure" if self._checkable() else "done"
+
+
+def _replace(old, new, drop=None) -> None:
+    """Put ``new`` in the report log in place of ``old``; with a dump folder, its ``report.json``
+    follows (the dumps describe the current report)."""
+    from pathlib import Path
+
+    from ..report import replace_report
+
+    replace_report(old, new, drop)
+    if new.dump_dir is not None:
+        try:
+            (Path(new.dump_dir) / "report.json").write_text(new.to_json())
+        except OSError:
+            pass
 
 
 def _describe(m: StepMeasurement) -> str:
