@@ -71,6 +71,7 @@ def main() -> None:
             x,
         ),
         "mm (x input)": (lambda: aten.mm.default(a, m), a),
+        "mse_loss mean (x input)": (lambda: aten.mse_loss.default(a, a, 1), a),
     }
     print(f"torch {torch.__version__}, device cpu")
     for name, (fn, ref) in probes.items():

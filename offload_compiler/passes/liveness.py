@@ -279,12 +279,14 @@ class _UnionFind:
 # torch.profiler's allocator trace on CPU, torch 2.13 (bench/workspace_probe.py reproduces it);
 # on CUDA the same factors serve as an estimate (cuDNN workspaces are of the same order) until a
 # calibration replaces them. Ops not listed are taken to need none (mm, addmm, layer norm, the
-# flash-attention forward, embedding and loss ops measured at ~0).
+# flash-attention forward, embedding and the cross-entropy ops measured at ~0).
 _WORKSPACE = {
     torch.ops.aten.convolution.default: (-1, 1.0),
     torch.ops.aten.convolution_backward.default: (0, 2.0),
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (0, 1.0),
     torch.ops.aten.native_batch_norm_backward.default: (0, 1.0),
+    # (input - target)^2 in full before the reduction (reduction="none" needs none: overcounted).
+    torch.ops.aten.mse_loss.default: (0, 1.0),
 }
 
 
