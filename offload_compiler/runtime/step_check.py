@@ -324,9 +324,11 @@ def analyze(trace: _Trace, planned: PlannedSteps) -> StepMeasurement:
             got = 0
         if got:
             by_node_key[key] = max(by_node_key.get(key, 0), got)
-        if got > planned.table_workspace_bytes[i]:
+        # A few bytes over the table's estimate are rounding, not a margin (MIN_TRANSIENT_BYTES).
+        if got - planned.table_workspace_bytes[i] >= MIN_TRANSIENT_BYTES:
             node_margins.append((planned.nodes[i], planned.ops[i], got - planned.table_workspace_bytes[i]))
-        extra = max(extra, got - planned.workspace_bytes[i])
+        if got - planned.workspace_bytes[i] >= MIN_TRANSIENT_BYTES:
+            extra = max(extra, got - planned.workspace_bytes[i])
         with_margins.append(planned.base_bytes[i] + max(planned.workspace_bytes[i], got))
     predicted = max(with_margins, default=0)
     return StepMeasurement(
