@@ -71,8 +71,14 @@ def main() -> None:
             x,
         ),
         "mm (x input)": (lambda: aten.mm.default(a, m), a),
+        "mse_loss mean (x input)": (lambda: aten.mse_loss.default(a, a, 1), a),
     }
     print(f"torch {torch.__version__}, device cpu")
+    loss = aten.mse_loss.default(a, a, 1)
+    print(
+        f"mse_loss mean output: {tuple(loss.shape)}, storage {loss.untyped_storage().nbytes()} bytes "
+        f"= {loss.untyped_storage().nbytes() / (a.numel() * a.element_size()):.2f}x input (_OUTPUT_STORAGE)"
+    )
     for name, (fn, ref) in probes.items():
         transient, _ = transient_bytes(fn)
         print(f"{name:45s} transient {transient:>10d} bytes = {transient / (ref.numel() * ref.element_size()):.2f}x")

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .options import TrinityOptions
 from .pipeline import CompileSession, TrinityPartitioner
@@ -106,13 +107,46 @@ def trinity(
             ``on_infeasible="error"``.
     """
     try:
-        return _compile(gm, example_inputs, options, mode, unexpected)
+        compiled = _compile(gm, example_inputs, options, mode, unexpected)
+        return _with_runtime_check(compiled, gm, example_inputs, options, mode)
     except BaseException:
         record_failure()  # last_report() must not describe an earlier graph
         raise
 
 
-def _compile(gm, example_inputs, options, mode, unexpected):
+def _with_runtime_check(compiled, gm, example_inputs, options, mode):
+    """``compiled`` measured in its first steps and replanned if the measured peak is above the
+    budget (``runtime_check``; see ``runtime/step_check.py``, which says why a replan compiles
+    Dynamo's graph again). Keeps ``gm``, fake copies of ``example_inputs`` and the tracing context
+    for that; returns ``compiled`` itself where there is nothing to check."""
+    from .runtime.step_check import CheckedCompile, session_of
+
+    session = session_of(compiled)
+    if session is None or session.options.runtime_check == "off" or session.planned_steps is None:
+        return compiled
+    if session.options.fault_injection is not None:
+        return compiled  # a test mode for ordering bugs: deferred copies keep memory alive on purpose
+    recompile = None
+    if not session.param_slots:
+        ctx = torch._guards.TracingContext.try_get()
+        fake_mode = ctx.fake_mode if ctx is not None and ctx.fake_mode is not None else None
+        if fake_mode is None:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            fake_mode = FakeTensorMode()
+        fakes = [
+            fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+            for x in example_inputs
+        ]
+
+        def recompile(margins):
+            with torch._guards.tracing(ctx) if ctx is not None else contextlib.nullcontext():
+                return _compile(gm, fakes, options, mode, {}, margins=margins)
+
+    return CheckedCompile(compiled, session, recompile, session.options.runtime_check)
+
+
+def _compile(gm, example_inputs, options, mode, unexpected, margins=None):
     if unexpected:
         raise ValueError(
             f"trinity backend: unexpected arguments {sorted(unexpected)}; pass trinity's settings as "
@@ -129,6 +163,7 @@ def _compile(gm, example_inputs, options, mode, unexpected):
         device, opts.host_pool_limit_bytes or default_host_pool_limit(), faults, on_pool_full=opts.on_host_pool_full
     )
     session = CompileSession(opts, device, runtime)
+    session.margins = margins
     partitioner = TrinityPartitioner(session)
     if opts.offload != "activations":
         if opts.inner != "eager":

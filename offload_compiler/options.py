@@ -177,6 +177,7 @@ class MemoryBudget:
 _INNER = ("inductor", "eager")
 _ON_INFEASIBLE = ("error", "warn")
 _OFFLOAD = ("activations", "activations+params", "all")
+_RUNTIME_CHECK = ("replan", "measure", "off")
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,14 @@ class TrinityOptions:
             gradients and optimizer state: parameters live in host memory between steps, gradients
             go to host memory as produced, ``offload_compiler.CPUOptimizer`` steps on the CPU).
             Parameter offload needs ``inner="eager"``.
+        runtime_check: what the compiled code does in its first steps
+            (``offload_compiler/runtime/step_check.py``): ``"replan"`` (the default) measures the
+            first step of a plan on this machine (the allocator's events: the peak, and per op the
+            workspace it allocates and frees inside itself), reports it
+            (``TrinityReport.measured_peak_bytes``) and, where the measured peak is above the
+            budget, plans again with the measured workspace as margins (at most twice);
+            ``"measure"`` measures and reports only; ``"off"`` does neither. Off under
+            ``fault_injection`` (its deferred copies keep memory alive on purpose).
     """
 
     memory_budget: MemoryBudget = field(default_factory=lambda: MemoryBudget("auto"))
@@ -256,6 +265,7 @@ class TrinityOptions:
     fault_injection: int | None = None
     offload: Literal["activations", "activations+params", "all"] = "activations"
     num_streams: int | None = None
+    runtime_check: Literal["replan", "measure", "off"] = "replan"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -380,6 +390,10 @@ def _validate(name: str, value: Any, where: str) -> Any:
     if name == "offload":
         if value not in _OFFLOAD:
             raise bad("one of " + ", ".join(repr(v) for v in _OFFLOAD))
+        return value
+    if name == "runtime_check":
+        if value not in _RUNTIME_CHECK:
+            raise bad("one of " + ", ".join(repr(v) for v in _RUNTIME_CHECK))
         return value
     if name == "on_infeasible":
         if value not in _ON_INFEASIBLE:

@@ -43,6 +43,7 @@ from .passes import (
     size_guard,
     verify,
 )
+from .passes.margins import WorkspaceMargins
 from .report import TrinityReport, next_graph_id, record_report
 from .runtime.transfer import TransferRuntime
 
@@ -78,7 +79,11 @@ def resolve_budget(
 
 
 def plan_pair(
-    pair: GraphPair, options: TrinityOptions, spec: DeviceSpec | None = None, model_state: dict | None = None
+    pair: GraphPair,
+    options: TrinityOptions,
+    spec: DeviceSpec | None = None,
+    model_state: dict | None = None,
+    margins: WorkspaceMargins | None = None,
 ) -> tuple[liveness.Liveness, cost_model.Costs, int | None, plan_window.Plan, dict[str, float]]:
     """Run the analyses and the planner on ``pair`` without changing it.
 
@@ -94,12 +99,16 @@ def plan_pair(
     ``model_state["plan"]``, the liveness without the view in ``model_state["liveness"]``, and
     the time of both planners in ``pass_seconds["param_residency"]``.
 
+    ``margins`` (workspace measured by the runtime check of the first steps, see
+    :mod:`.runtime.step_check`): liveness counts the measured workspace of each op, and the
+    budget is the one the first plan resolved (``margins.budget_bytes``).
+
     Returns ``(liveness, costs, budget_bytes, plan, pass_seconds)``; with ``model_state`` the
     liveness returned is the activation view.
     """
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    live = liveness.analyze(pair, assume_fusion=options.inner == "inductor")
+    live = liveness.analyze(pair, assume_fusion=options.inner == "inductor", margins=margins)
     seconds["liveness"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     device = torch.device(live.device)
@@ -111,7 +120,10 @@ def plan_pair(
         for b in live.buffers
         if b.on_device and b.kind in (liveness.BufferKind.PARAMETER, liveness.BufferKind.INPUT)
     )
-    budget = resolve_budget(options.memory_budget, live.peak_bytes, device, options, resident)
+    if margins is not None:
+        budget = margins.budget_bytes
+    else:
+        budget = resolve_budget(options.memory_budget, live.peak_bytes, device, options, resident)
     t0 = time.perf_counter()
     if model_state:
         from .passes import param_residency
@@ -211,6 +223,10 @@ class CompileSession:
         # offload="activations+params"/"all": forward input position -> ParamSlot (set by the backend)
         self.param_slots: dict = {}
         self.residency_plans: list = []
+        # Set by the runtime check of the first steps (runtime/step_check.py) when it replans:
+        # the measured workspace, an input of plan_pair; and what it reads back after the rewrite.
+        self.margins: WorkspaceMargins | None = None
+        self.planned_steps = None
 
     def _assign_streams(
         self, pair: GraphPair, costs: cost_model.Costs, planned_peak: int
@@ -229,7 +245,7 @@ class CompileSession:
             assign_streams.apply(gm, plans[name], self.runtime.id, event_offset=offset)
             offset += plans[name].num_events
         if any(p.records for p in plans.values()):
-            peak = liveness.analyze(pair, assume_fusion=False).peak_bytes
+            peak = liveness.analyze(pair, assume_fusion=False, margins=self.margins).peak_bytes
             if peak > planned_peak:
                 log.info(
                     "assign_streams: keep-alive would raise the peak to %d bytes (planned %d); one stream",
@@ -288,7 +304,7 @@ class CompileSession:
             static = set(pair.static_input_indices)
             model_state = {i: (s.id, s.host_bytes) for i, s in self.param_slots.items() if i in static}
             model_state["optimizer"] = next((s.owner() for s in self.param_slots.values() if s.owner()), None)
-        live, costs, budget, the_plan, seconds = plan_pair(pair, opts, model_state=model_state)
+        live, costs, budget, the_plan, seconds = plan_pair(pair, opts, model_state=model_state, margins=self.margins)
         if model_state and model_state.get("split") is not None:
             self._keep_on_device(model_state["split"])
         step_nodes = list(forward.graph.nodes) + list(backward.graph.nodes)
@@ -351,6 +367,7 @@ class CompileSession:
                 budget if the_plan.feasible and not model_state else None,
                 expected_peak_bytes=resident_peak,
                 assume_fusion=opts.inner == "inductor",
+                margins=self.margins,
             )
             if not model_state:
                 planned_peak = verified
@@ -385,6 +402,13 @@ class CompileSession:
             log.info("%s", residency.summary())
             if dumper:
                 dumper.text("residency.json", residency.to_json())
+        if opts.runtime_check != "off" and opts.fault_injection is None:
+            from .runtime.step_check import PlannedSteps
+
+            try:
+                self.planned_steps = PlannedSteps.of(pair, opts.inner == "inductor", self.margins)
+            except Exception as exc:  # the check is optional; it never fails a compile
+                log.warning("runtime_check: no per-node accounting of the rewritten pair (%s); not checked", exc)
         if dumper:
             dumper.graphs("10_insert_transfers", forward, backward)
             dumper.text("plan.json", the_plan.to_json())

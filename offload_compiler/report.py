@@ -13,7 +13,39 @@ from dataclasses import asdict, dataclass
 from .options import format_bytes
 from .runtime.transfer import TransferStats, _registry
 
-__all__ = ["TrinityReport", "last_report", "reports", "record_report", "next_graph_id"]
+__all__ = [
+    "TrinityReport",
+    "MeasuredCorrection",
+    "last_report",
+    "reports",
+    "record_report",
+    "replace_report",
+    "next_graph_id",
+]
+
+
+@dataclass(frozen=True)
+class MeasuredCorrection:
+    """How the runtime check of the first steps (``runtime/step_check.py``) corrected a plan.
+
+    Attributes:
+        first_measured_peak_bytes: the peak measured in the first measured step, with the plan
+            made before any measurement (bytes).
+        first_planned_peak_bytes: that plan's predicted peak (bytes).
+        margins: ``(graph:node, op, bytes)``: per node, the workspace measured on this machine
+            beyond what the plan modelled for it (``passes/liveness.py``'s table), which the
+            current plan adds at that node.
+        total_margin_bytes: the sum of :attr:`margins`' bytes.
+        replans: how many times the pair was planned again (1 or 2).
+        method: how the steps were measured (``"cpu-allocator-trace"``, ``"cuda-allocator-trace"``).
+    """
+
+    first_measured_peak_bytes: int
+    first_planned_peak_bytes: int
+    margins: tuple[tuple[str, str, int], ...]
+    total_margin_bytes: int
+    replans: int
+    method: str
 
 
 @dataclass(frozen=True)
@@ -62,6 +94,17 @@ class TrinityReport:
         streams: with ``num_streams`` > 1 and ``inner="eager"``: per graph, ``(graph, streams
             used, events, simulated seconds, simulated seconds on one stream)`` of the applied
             stream plan (``passes/assign_streams.py``); empty when the pass did not run or was undone.
+        measured_peak_bytes: the peak device bytes measured in this plan's first measured step
+            on this machine (the pair's parameters and inputs, plus what its forward and backward
+            allocated; ``runtime_check``, ``runtime/step_check.py``); ``None`` until measured or
+            with ``runtime_check="off"``.
+        correction: when the measured peak of an earlier plan of this pair was above the budget
+            and the pair was planned again with the measured workspace: what changed
+            (:class:`MeasuredCorrection`); else ``None``.
+
+    A report is a snapshot: the runtime check replaces the pair's report in :func:`reports` (same
+    ``graph_id``) when it measures or replans; :func:`last_report` and :func:`reports` return the
+    current one.
     """
 
     graph_id: int
@@ -90,6 +133,8 @@ class TrinityReport:
     param_offload: dict | None = None
     not_offloaded: tuple[tuple[str, str], ...] = ()
     streams: tuple[tuple[str, int, int, float, float], ...] = ()
+    measured_peak_bytes: int | None = None
+    correction: MeasuredCorrection | None = None
 
     def runtime_stats(self) -> TransferStats | None:
         """Live counters of this pair's transfer runtime (host pool included), or ``None`` once
@@ -160,6 +205,21 @@ class TrinityReport:
         if self.not_offloaded:
             kept = "; ".join(f"{node!r}: {why}" for node, why in self.not_offloaded)
             lines.append(f"  kept       {len(self.not_offloaded)} saved tensors on the device: {kept}")
+        if self.measured_peak_bytes is not None:
+            over = self.budget_bytes is not None and self.measured_peak_bytes > self.budget_bytes
+            lines.append(
+                f"  measured   {format_bytes(self.measured_peak_bytes)} peak in the first measured step "
+                f"(planned {format_bytes(self.peak_bytes_planned)})" + ("; above the budget" if over else "")
+            )
+        if self.correction is not None:
+            c = self.correction
+            top = sorted(c.margins, key=lambda m: -m[2])[:3]
+            where = ", ".join(f"{node} ({op}) +{format_bytes(b)}" for node, op, b in top)
+            lines.append(
+                f"  corrected  planned {c.replans}x more after measuring {format_bytes(c.first_measured_peak_bytes)} "
+                f"(planned {format_bytes(c.first_planned_peak_bytes)}): workspace margins at {len(c.margins)} "
+                f"nodes, {format_bytes(c.total_margin_bytes)} in all" + (f" ({where})" if where else "")
+            )
         if self.fallback_reason:
             lines.append(f"  fallback   {self.fallback_reason}")
         if self.dump_dir:
@@ -184,6 +244,16 @@ class _ReportLog:
             self._reports.append(report)
             self._last_failed = False
 
+    def replace(self, old: TrinityReport, new: TrinityReport, drop: TrinityReport | None = None) -> None:
+        with self._lock:
+            if drop is not None:
+                self._reports = [r for r in self._reports if r is not drop]
+            for i, r in enumerate(self._reports):
+                if r is old:
+                    self._reports[i] = new
+                    return
+            self._reports.append(new)
+
     def fail(self) -> None:
         with self._lock:
             self._last_failed = True
@@ -206,6 +276,12 @@ def next_graph_id() -> int:
 
 def record_report(report: TrinityReport) -> None:
     _LOG.append(report)
+
+
+def replace_report(old: TrinityReport, new: TrinityReport, drop: TrinityReport | None = None) -> None:
+    """Put ``new`` where ``old`` is in the log (appended if ``old`` is not there), first taking
+    out ``drop`` (the report a replanning compile recorded, which ``new`` stands for)."""
+    _LOG.replace(old, new, drop)
 
 
 def record_failure() -> None:

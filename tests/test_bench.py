@@ -158,3 +158,51 @@ def test_step_ratio_pairs_trinity_with_its_inner_compiler(tmp_path, monkeypatch)
     data = json.loads((tmp_path / "step_ratio_cpu.json").read_text())
     assert data["budget"] == "60%" and [p["trinity"] for p in data["pairs"]] == ["trinity-60%", "trinity-eager-60%"]
     assert ("gpt", "trinity-60%") in report._paired_ratios(tmp_path, "cpu")
+
+
+def test_gpu_check_dry_run_on_the_cpu(tmp_path):
+    """bench/gpu_check.sh without CUDA: every part runs on the CPU, shrunk (TRINITY_GPU_CHECK_QUICK),
+    the CUDA-only tests skip themselves, and the JSON records what ran and what was skipped."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bench.gpu_check import BUDGETS, PARTS
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "PYTHON": sys.executable, "TRINITY_GPU_CHECK_QUICK": "1", "TRINITY_COMMIT": "abc1234"}
+    p = subprocess.run(
+        ["bash", str(root / "bench" / "gpu_check.sh"), "--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    d = json.loads(out.read_text())
+    assert d["benchmark"] == "gpu_check" and d["dry_run"] and d["quick"] and d["ok"]
+    assert d["device_type"] == "cpu" and d["torch"] == torch.__version__ and d["git_commit"] == "abc1234"
+    assert d["command"] == "bench/gpu_check.sh --out " + str(out)
+    assert list(d["parts"]) == list(PARTS)
+    tests = d["parts"]["cuda_tests"]
+    assert tests["status"] == "skipped" and tests["tests"]["tests"] == tests["tests"]["skipped"] >= 6
+    assert any(s.startswith("cuda_tests:") for s in d["skipped"])
+    assert any(s.startswith("demo on CUDA") for s in d["skipped"])
+    for name in ("demo", "calibrate", "step_ratio", "predicted_vs_measured"):
+        assert d["parts"][name]["status"] == "ok", (name, d["parts"][name])
+    assert "bit-identical" in d["parts"]["demo"]["output_tail"]
+    assert d["parts"]["calibrate"]["figures"]["flops_fp32"] > 0
+    ratio = d["parts"]["step_ratio"]["result"]
+    assert ratio["reference"] == "aot_eager" and ratio["ratio"] > 0
+    rows = d["parts"]["predicted_vs_measured"]["result"]["rows"]
+    assert [r["budget"] for r in rows] == list(BUDGETS)
+    for r in rows:
+        assert r["num_graphs"] == 1 and r["measured_peak_bytes"] > 0 and r["planned_peak_bytes"] > 0
+        assert r["predicted_step_seconds"] > 0 and r["measured_step_seconds_median"] > 0
+        assert r["runtime_check_measured_peak_bytes"][0] is not None
+        assert not r["feasible"] or r["over_budget_bytes"] <= 64 * 1024, r  # test_e2e's slack
+    assert rows[0]["num_evicted"] == 0 and rows[1]["num_evicted"] > 0
+    assert rows[1]["measured_peak_bytes"] < rows[0]["measured_peak_bytes"]

@@ -34,6 +34,7 @@ EXPECTED_ALLOWED = sorted(
         "fault_injection",
         "offload",
         "num_streams",
+        "runtime_check",
         "peak_flops",
         "hbm_bytes_per_s",
         "h2d_bytes_per_s",
@@ -336,6 +337,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "fault_injection": 7,
         "offload": "all",
         "num_streams": 3,
+        "runtime_check": "measure",
         "host_bytes_per_s": 6e10,
         "optimizer_on_device": "auto",
     }
@@ -361,6 +363,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "fault_injection": 7,
         "offload": "all",
         "num_streams": 3,
+        "runtime_check": "measure",
         "host_bytes_per_s": 6e10,
         "optimizer_on_device": "auto",
     }
@@ -695,3 +698,16 @@ def test_optimizer_on_device_needs_offload_all():
     assert build({"optimizer_on_device": 0.0}).optimizer_on_device == 0.0
     env = build({"offload": "all", "inner": "eager"}, env={"TRINITY_OPTIMIZER_ON_DEVICE": "auto"})
     assert env.optimizer_on_device == "auto"
+
+
+def test_runtime_check_forms_and_errors():
+    assert build().runtime_check == "replan"
+    for value in ("replan", "measure", "off"):
+        assert build({"runtime_check": value}).runtime_check == value
+        assert_round_trips(build({"runtime_check": value}))
+    assert build(env={"TRINITY_RUNTIME_CHECK": "off"}).runtime_check == "off"
+    for bad in ("on", True, None, "Replan"):
+        with pytest.raises(ValueError, match=r"'runtime_check'.*'replan', 'measure', 'off'"):
+            build({"runtime_check": bad})
+    with pytest.raises(ValueError, match="TRINITY_RUNTIME_CHECK"):
+        build(env={"TRINITY_RUNTIME_CHECK": "sometimes"})

@@ -36,8 +36,18 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..graph_pair import GraphPair, hint_int, is_rng_state, tensor_vals
 from ..runtime.ops import EVICT, PREFETCH
 from ..runtime.transfer import span_bytes
+from .margins import WorkspaceMargins
 
-__all__ = ["BufferKind", "Buffer", "SavedTensor", "Step", "Liveness", "analyze", "graph_device"]
+__all__ = [
+    "BufferKind",
+    "Buffer",
+    "SavedTensor",
+    "Step",
+    "Liveness",
+    "analyze",
+    "graph_device",
+    "table_workspace_bytes",
+]
 
 
 class BufferKind(str, enum.Enum):
@@ -269,13 +279,34 @@ class _UnionFind:
 # torch.profiler's allocator trace on CPU, torch 2.13 (bench/workspace_probe.py reproduces it);
 # on CUDA the same factors serve as an estimate (cuDNN workspaces are of the same order) until a
 # calibration replaces them. Ops not listed are taken to need none (mm, addmm, layer norm, the
-# flash-attention forward, embedding and loss ops measured at ~0).
+# flash-attention forward, embedding and the cross-entropy ops measured at ~0).
 _WORKSPACE = {
     torch.ops.aten.convolution.default: (-1, 1.0),
     torch.ops.aten.convolution_backward.default: (0, 2.0),
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (0, 1.0),
     torch.ops.aten.native_batch_norm_backward.default: (0, 1.0),
+    # (input - target)^2 in full before the reduction (reduction="none" needs none: overcounted).
+    torch.ops.aten.mse_loss.default: (0, 1.0),
 }
+
+# Outputs whose real storage is larger than their fake value's: op -> (argument index, factor of
+# that argument's bytes). aten.mse_loss returns its scalar in a storage of the input's size (CPU,
+# torch 2.13; bench/workspace_probe.py prints it), alive as long as the loss is.
+_OUTPUT_STORAGE = {
+    torch.ops.aten.mse_loss.default: (0, 1.0),
+}
+
+
+def _output_storage_floor(node: fx.Node) -> int:
+    """The real storage bytes of ``node``'s output from :data:`_OUTPUT_STORAGE` (0: its fake value's)."""
+    if node.op != "call_function" or node.target not in _OUTPUT_STORAGE:
+        return 0
+    which, factor = _OUTPUT_STORAGE[node.target]
+    arg = node.args[which] if which < len(node.args) else None
+    t = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    if not isinstance(t, torch.Tensor):
+        return 0
+    return int(factor * hint_int(t.untyped_storage().nbytes()))
 
 
 def _workspace(node: fx.Node) -> int:
@@ -293,6 +324,12 @@ def _workspace(node: fx.Node) -> int:
         return 0
     nbytes = span_bytes(tuple(hint_int(x) for x in t.shape), tuple(hint_int(x) for x in t.stride()), t.element_size())
     return int(factor * nbytes)
+
+
+def table_workspace_bytes(node: fx.Node) -> int:
+    """The op workspace the plan models for ``node`` from :data:`_WORKSPACE` alone (bytes, with
+    shape hints; 0 for ops not listed), before any measured margin."""
+    return _workspace(node)
 
 
 def _view_exprs(t: torch.Tensor) -> tuple:
@@ -390,12 +427,13 @@ def _fusible(node: fx.Node) -> bool:
     return torch.Tag.pointwise in user.target.tags or torch.Tag.reduction in user.target.tags
 
 
-def analyze(pair: GraphPair, assume_fusion: bool = False) -> Liveness:
+def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMargins | None = None) -> Liveness:
     """Buffers, live ranges and saved tensors of ``pair`` over the joint schedule.
 
     With ``assume_fusion`` (the inner compiler is Inductor), a temporary made by a pointwise op
     whose only reader is pointwise or a reduction is taken to be fused away (see
-    :attr:`Buffer.fused`).
+    :attr:`Buffer.fused`). With ``margins`` (workspace measured on this machine, see
+    :mod:`.margins`), a node's workspace is the larger of :data:`_WORKSPACE`'s and the measured one.
 
     Raises:
         ValueError: if a node's ``meta["val"]`` is missing where a tensor is expected (the graph
@@ -639,6 +677,10 @@ def analyze(pair: GraphPair, assume_fusion: bool = False) -> Liveness:
         kind = kind_of.get(r, BufferKind.TEMPORARY)
         t = key_tensor[r] if r in key_tensor else None
         nbytes = t.untyped_storage().nbytes() if t is not None else 0
+        src = info["source_any"]
+        floor = _output_storage_floor(src) if node_step[src] == info["def"] else 0
+        if floor > hint_int(nbytes):
+            nbytes = floor
         uses = sorted(info["uses"])
         end = max([info["def"]] + uses)
         if kind in (BufferKind.PARAMETER, BufferKind.INPUT, BufferKind.OUTPUT, BufferKind.GRADIENT):
@@ -673,6 +715,9 @@ def analyze(pair: GraphPair, assume_fusion: bool = False) -> Liveness:
         buffers=tuple(buffers),
         saved=tuple(saved),
         device=str(device),
-        workspace_bytes=tuple(_workspace(n) for n in fw_nodes + bw_nodes),
+        workspace_bytes=tuple(
+            max(_workspace(n), margins.node_bytes(n)) if margins is not None else _workspace(n)
+            for n in fw_nodes + bw_nodes
+        ),
         step_of=step_of,
     )

@@ -28,6 +28,7 @@ from ..options import format_bytes
 from ..runtime.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
 from . import happens_before
 from . import liveness as liveness_pass
+from .margins import WorkspaceMargins
 
 __all__ = ["VerificationError", "verify"]
 
@@ -121,9 +122,14 @@ def _check_backward(bw: fx.GraphModule) -> list[str]:
 
 
 def verify(
-    pair: GraphPair, budget_bytes: int | None, expected_peak_bytes: int | None = None, assume_fusion: bool = False
+    pair: GraphPair,
+    budget_bytes: int | None,
+    expected_peak_bytes: int | None = None,
+    assume_fusion: bool = False,
+    margins: WorkspaceMargins | None = None,
 ) -> int:
     """Check the rewritten ``pair`` (see module docstring) and return its re-measured peak (bytes).
+    ``margins``: the measured workspace the plan was made with (see :mod:`.margins`).
 
     Raises:
         VerificationError: listing every broken invariant.
@@ -135,7 +141,7 @@ def verify(
     if errors:  # the peak of a malformed rewrite means nothing; report the structure first
         raise VerificationError("trinity verification failed:\n  - " + "\n  - ".join(errors))
     try:
-        live = liveness_pass.analyze(pair, assume_fusion=assume_fusion)
+        live = liveness_pass.analyze(pair, assume_fusion=assume_fusion, margins=margins)
     except ValueError as exc:
         raise VerificationError(f"trinity verification failed: cannot re-measure the peak: {exc}") from exc
     peak = live.peak_bytes

@@ -1,0 +1,659 @@
+"""The runtime check of the first steps: measure a plan on the machine it runs on, replan if needed.
+
+The plan is made from fake tensors: every buffer's size is exact, but what a kernel allocates
+*inside itself* (scratch it frees before returning) is only an estimate, the table
+``passes/liveness.py:_WORKSPACE`` measured on one CPU. Other machines run other kernels: a oneDNN
+bf16 matmul on an AVX512-BF16/AMX CPU, cuDNN's convolution algorithms, a user's custom op. There
+the measured peak can be above a budget the plan met on paper. So the compiled code measures its
+first step and checks it against the plan.
+
+What is measured. The pair's forward call and its backward (``CompiledFunctionBackward``,
+bracketed by autograd hooks on that node) each run once under ``torch.profiler`` with
+``profile_memory`` and ``record_shapes``: the allocator reports every allocation and free with its
+address and size (the CPU allocator and CUDA's caching allocator alike, so Inductor's own buffers
+are seen too), and every dispatcher op call with its input shapes. From that:
+
+* the **measured peak**: the pair's parameters and inputs (as the plan counts them) plus the
+  largest sum of bytes that the forward and backward allocated and had not yet freed, host-pool
+  blocks left out (they are host memory); what runs between the two calls (the user's code,
+  other graphs) is not counted;
+* per op call, its **workspace**: the most it had allocated at once inside the call less what
+  it still held at its end (the ``(peak - end)`` of ``bench/workspace_probe.py``), plus what it
+  held at its end beyond the outputs the plan gives its node (an output larger than modelled).
+  Calls are matched to the plan's nodes by :data:`~offload_compiler.passes.margins.OpKey`; the
+  largest over the calls of a key counts.
+
+Where the plan's peak with the measured workspace added at every node is above the budget, and
+the measured peak is too (``runtime_check="replan"``), the pair is planned again with a
+:class:`~offload_compiler.passes.margins.WorkspaceMargins`: liveness counts the measured workspace
+at each node of the same op key, in the same per-node accounting as ``liveness._WORKSPACE``, and
+the budget stays the bytes the first plan resolved. The new plan's first step is measured again;
+at most :data:`MAX_REPLANS` replans. A measured peak above the budget that no op's workspace
+explains (a ``retain_graph`` backward keeps every saved tensor to its end; two forwards before
+their backwards) is reported and warned about, not replanned: margins would not change it.
+
+How a replan takes effect, and why this way. The plan is made inside the partitioner, at compile
+time, from Dynamo's graph. Three ways were weighed:
+
+1. *Run every op once on real inputs before planning* (made from the fake values): it needs
+   real data for ops whose behaviour depends on it (indices, ``nonzero``, collectives, RNG state,
+   custom ops with side effects), it adds device memory and time to every compile of a large
+   graph, and with Inductor it measures aten kernels, not the kernels Inductor calls. It also
+   never looks at the step that really runs, so a miss elsewhere stays unseen.
+2. *Keep the pre-rewrite pair, rewrite it again and swap the forward and backward callables
+   inside AOTAutograd*: with Inductor, AOTAutograd holds Inductor's compiled objects (and the
+   lazy backward compile) in its own runtime wrappers, with no public way to swap them; and a
+   forward of the old plan whose backward has not run yet must still get the old backward.
+3. *Compile Dynamo's graph again* (this module): the backend keeps Dynamo's graph module, fake
+   copies of its example inputs and the ``TracingContext`` it was compiled under (fake mode and
+   shape environment, so dynamic shapes stay symbolic), and at the next call after a measured
+   step runs the whole backend again (AOTAutograd, the partitioner with the margins as one more
+   planning input, Inductor or FX code) and calls the new compiled function from then on. It is
+   the path of the first compile, for both inner compilers and on CUDA; the old compiled
+   function (and its transfer runtime) stays alive, so an autograd graph recorded with it still
+   runs its own backward. Its cost is one more compile of the pair, once, only where the
+   measured workspace breaks the budget.
+
+So the first step of a plan whose measurement breaks the budget is itself above it: the check
+finds the miss, it cannot undo it. Not measured: a call while a profiler is already on (measured
+at a later step instead), forwards without a backward. Not replanned: parameter offload
+(``offload`` other than ``"activations"``; measured and reported only). With dynamic shapes the
+margins are the bytes measured at the first sizes. A backward that raises on a CUDA device thread
+leaves that thread's profiler session open (on the CPU it is closed at the next call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..passes.margins import OpKey, WorkspaceMargins, op_key
+from .pool import live_pool_blocks
+
+__all__ = ["PlannedSteps", "StepMeasurement", "CheckedCompile", "MAX_REPLANS", "measure_step_enabled"]
+
+MAX_REPLANS = 2
+# A forward measured but whose backward never ran (the graph was dropped) is given up after this
+# many further calls, and another step is measured; after _ATTEMPTS such steps the check stops.
+_PENDING_CALLS = 3
+_ATTEMPTS = 3
+# Transients below this (bytes) are the allocator's small bookkeeping (a wrapped scalar, a shape
+# buffer) and are not margins: one op runs at a time, so leaving them out understates a peak by
+# less than this.
+MIN_TRANSIENT_BYTES = 4096
+
+
+def measure_step_enabled() -> bool:
+    """Whether a measurement can start on this thread now (no profiler is running)."""
+    return not torch._C._autograd._profiler_enabled()
+
+
+@dataclass(frozen=True)
+class PlannedSteps:
+    """The rewritten pair's accounting per node of the joint schedule, as the plan has it.
+
+    Attributes:
+        nodes: ``"forward:name"`` / ``"backward:name"`` per step.
+        ops: the op name per step (``"aten::mm"``; ``""`` for nodes that are no dispatcher op).
+        keys: the :data:`OpKey` per step (``None`` where there is none).
+        base_bytes: device bytes live at each step without op workspace (bytes).
+        workspace_bytes: the op workspace the plan counted at each step (table and margins).
+        table_workspace_bytes: the workspace the table alone gives each step.
+        defined_bytes: device bytes of the buffers each step allocates (its outputs, as planned).
+        resident_bytes: the pair's parameters and inputs on the device (bytes).
+        peak_bytes: the planned peak (bytes).
+        device: the compute device (``"cpu"``, ``"cuda:0"``).
+    """
+
+    nodes: tuple[str, ...]
+    ops: tuple[str, ...]
+    keys: tuple[OpKey | None, ...]
+    base_bytes: tuple[int, ...]
+    workspace_bytes: tuple[int, ...]
+    table_workspace_bytes: tuple[int, ...]
+    defined_bytes: tuple[int, ...]
+    resident_bytes: int
+    peak_bytes: int
+    device: str
+
+    @staticmethod
+    def of(pair, assume_fusion: bool, margins: WorkspaceMargins | None) -> PlannedSteps:
+        """From the rewritten ``pair`` (a :class:`~offload_compiler.graph_pair.GraphPair`),
+        before the inner compiler sees it (Inductor changes the graphs in place)."""
+        from ..passes import liveness
+
+        live = liveness.analyze(pair, assume_fusion=assume_fusion, margins=margins)
+        nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
+        ws = np.asarray(live.workspace_bytes or [0] * len(nodes), dtype=np.int64)
+        base = live.live_bytes() - ws
+        keys = tuple(op_key(n) for n in nodes)
+        defined = np.zeros(len(nodes), dtype=np.int64)
+        for b in live.buffers:
+            if b.on_device and not b.fused:
+                defined[b.def_step] += b.size_bytes
+        resident = sum(
+            b.size_bytes
+            for b in live.buffers
+            if b.on_device and b.kind in (liveness.BufferKind.PARAMETER, liveness.BufferKind.INPUT)
+        )
+        return PlannedSteps(
+            nodes=tuple(f"{s.graph}:{s.node}" for s in live.steps),
+            ops=tuple(k[0] if k else "" for k in keys),
+            keys=keys,
+            base_bytes=tuple(int(x) for x in base),
+            workspace_bytes=tuple(int(x) for x in ws),
+            table_workspace_bytes=tuple(liveness.table_workspace_bytes(n) for n in nodes),
+            defined_bytes=tuple(int(x) for x in defined),
+            resident_bytes=int(resident),
+            peak_bytes=live.peak_bytes,
+            device=live.device,
+        )
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """One measured step of a pair (bytes).
+
+    Attributes:
+        peak_bytes: the measured peak (see the module docstring).
+        op_workspace: ``(node op key, bytes)``: the measured workspace of the plan's nodes, by
+            the nodes' keys (where at least :data:`MIN_TRANSIENT_BYTES`).
+        node_margins: ``(node, op, bytes)``: per node, the measured workspace beyond the table's.
+        extra_bytes: the most the measured workspace of one node is above what the plan counted there.
+        predicted_with_margins_bytes: the measured plan's peak had it counted the measured workspace.
+        unexplained_bytes: ``peak_bytes`` less ``predicted_with_margins_bytes`` (0 if below).
+        num_allocations / num_ops: allocation events and op calls seen (a check that it worked).
+        method: ``"cpu-allocator-trace"`` or ``"cuda-allocator-trace"``.
+    """
+
+    peak_bytes: int
+    op_workspace: tuple[tuple[OpKey, int], ...]
+    node_margins: tuple[tuple[str, str, int], ...]
+    extra_bytes: int
+    predicted_with_margins_bytes: int
+    unexplained_bytes: int
+    num_allocations: int
+    num_ops: int
+    method: str
+
+
+# ------------------------------------------------------------------------------ the trace
+
+
+def _walk(nodes):
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children)
+
+
+def _input_key(inputs) -> tuple:
+    from torch._C._profiler import _TensorMetadata
+
+    out = []
+
+    def add(v):
+        if isinstance(v, _TensorMetadata):
+            out.append((tuple(int(s) for s in v.sizes), str(v.dtype)))
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                add(x)
+
+    for v in inputs:
+        add(v)
+    return tuple(out)
+
+
+class _Trace:
+    """Allocation events and op calls of the sessions (forward, backward) of one step."""
+
+    def __init__(self, device: torch.device, op_names: frozenset[str]):
+        self.device = device
+        self.op_names = op_names
+        self.allocations: list[tuple[int, int, int]] = []  # (time ns, ptr, bytes; < 0: free)
+        self.ops: list[tuple[OpKey, int, int]] = []  # (measured key, transient bytes, bytes held at its end)
+        self.phases: list[str] = []
+        self.valid = True
+        self._open: Any = None
+        self._open_thread: int | None = None
+        self._cuda_before = 0
+        self.cuda_delta = 0
+
+    def start(self, phase: str) -> None:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "99")
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
+        if self.device.type == "cuda":
+            self._cuda_before = torch.cuda.memory_allocated(self.device)
+        prof.__enter__()
+        self._open = (prof, phase)
+        self._open_thread = threading.get_ident()
+
+    def stop(self) -> None:
+        prof, phase = self._open
+        self._open = None
+        self._open_thread = None
+        prof.__exit__(None, None, None)
+        if self.device.type == "cuda":
+            self.cuda_delta += torch.cuda.memory_allocated(self.device) - self._cuda_before
+        self._collect(prof)
+        self.phases.append(phase)
+
+    @property
+    def is_open(self) -> bool:
+        return self._open is not None
+
+    def _collect(self, prof) -> None:
+        from torch._C._profiler import _EventType
+
+        pool = {ptr for ptr, _ in live_pool_blocks()}
+        dev = self.device.type
+
+        def alloc_of(node):
+            if node.tag != _EventType.Allocation:
+                return None
+            f = node.extra_fields
+            if f.device.type != dev or f.ptr in pool:
+                return None
+            return (node.start_time_ns, int(f.ptr), int(f.alloc_size))
+
+        stack = list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            a = alloc_of(node)
+            if a is not None:
+                self.allocations.append(a)
+                continue
+            if node.tag == _EventType.TorchOp and node.name in self.op_names:
+                inner = sorted(a for a in (alloc_of(m) for m in _walk(node.children)) if a is not None)
+                self.allocations.extend(inner)
+                cur = peak = 0
+                for _, _, size in inner:
+                    cur += size
+                    peak = max(peak, cur)
+                transient = peak - max(cur, 0)
+                key = (node.name, _input_key(node.extra_fields.inputs))
+                self.ops.append((key, int(transient), int(max(cur, 0))))
+                continue
+            stack.extend(node.children)
+
+
+def analyze(trace: _Trace, planned: PlannedSteps) -> StepMeasurement:
+    """The :class:`StepMeasurement` of a finished ``trace`` against the ``planned`` accounting."""
+    live: dict[int, int] = {}
+    current = peak = 0
+    for _, ptr, size in sorted(trace.allocations):
+        if size > 0:
+            old = live.pop(ptr, None)  # an address handed out again: its earlier free was not seen
+            if old is not None:
+                current -= old
+            live[ptr] = size
+            current += size
+            peak = max(peak, current)
+        else:
+            freed = live.pop(ptr, None)
+            if freed is not None:
+                current -= freed
+    measured = planned.resident_bytes + peak
+    transient: dict[OpKey, int] = {}
+    held: dict[OpKey, int] = {}
+    for key, t, h in trace.ops:
+        transient[key] = max(transient.get(key, 0), t)
+        held[key] = max(held.get(key, 0), h)
+    found_t = WorkspaceMargins(tuple(transient.items()))
+    found_h = WorkspaceMargins(tuple(held.items()))
+    by_node_key: dict[OpKey, int] = {}
+    node_margins = []
+    with_margins = []
+    extra = 0
+    for i, key in enumerate(planned.keys):
+        got = 0
+        if key is not None:
+            got = found_t.bytes_for(key) + max(0, found_h.bytes_for(key) - planned.defined_bytes[i])
+        if got < MIN_TRANSIENT_BYTES:
+            got = 0
+        if got:
+            by_node_key[key] = max(by_node_key.get(key, 0), got)
+        # A few bytes over the table's estimate are rounding, not a margin (MIN_TRANSIENT_BYTES).
+        if got - planned.table_workspace_bytes[i] >= MIN_TRANSIENT_BYTES:
+            node_margins.append((planned.nodes[i], planned.ops[i], got - planned.table_workspace_bytes[i]))
+        if got - planned.workspace_bytes[i] >= MIN_TRANSIENT_BYTES:
+            extra = max(extra, got - planned.workspace_bytes[i])
+        with_margins.append(planned.base_bytes[i] + max(planned.workspace_bytes[i], got))
+    predicted = max(with_margins, default=0)
+    return StepMeasurement(
+        peak_bytes=int(measured),
+        op_workspace=tuple(sorted(by_node_key.items())),
+        node_margins=tuple(node_margins),
+        extra_bytes=int(extra),
+        predicted_with_margins_bytes=int(predicted),
+        unexplained_bytes=int(max(0, measured - predicted)),
+        num_allocations=len(trace.allocations),
+        num_ops=len(trace.ops),
+        method=f"{trace.device.type}-allocator-trace",
+    )
+
+
+def _backward_node(out) -> Any:
+    """The ``CompiledFunctionBackward`` node behind the outputs of a compiled forward, or ``None``."""
+    stack = []
+    for t in out if isinstance(out, (list, tuple)) else [out]:
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            stack.append((t.grad_fn, 0))
+    seen = set()
+    while stack:
+        fn, depth = stack.pop()
+        if fn is None or id(fn) in seen or depth > 8:
+            continue
+        seen.add(id(fn))
+        if type(fn).__name__ == "CompiledFunctionBackward":
+            return fn
+        stack.extend((nxt, depth + 1) for nxt, _ in fn.next_functions)
+    return None
+
+
+# ------------------------------------------------------------------------------ the wrapper
+
+
+class CheckedCompile:
+    """The callable the backend returns: the compiled pair, measured in its first steps.
+
+    Args:
+        compiled: the compiled function of one backend call (AOTAutograd's, Inductor's).
+        session: its :class:`~offload_compiler.pipeline.CompileSession` (the report, the planned
+            accounting, the runtime).
+        recompile: ``margins -> compiled function`` (the backend compiled again with the margins;
+            its session is read from the function, see :func:`session_of`), or ``None`` where
+            replanning is not supported (the check then measures and reports only).
+        mode: ``"replan"`` or ``"measure"`` (``TrinityOptions.runtime_check``).
+
+    Calls pass their arguments to the current compiled function unchanged.
+
+    Raises (from a call that replans):
+        offload_compiler.pipeline.InfeasibleBudgetError: when, with the measured workspace, no plan
+            reaches the budget and ``on_infeasible="error"``.
+    """
+
+    def __init__(self, compiled: Callable, session, recompile: Callable | None, mode: str):
+        self._current = compiled
+        self._session = session
+        self._recompile = recompile
+        self._mode = mode
+        self._lock = threading.Lock()
+        self._retired: list = []
+        self._margins: WorkspaceMargins | None = None
+        self._first: tuple[int, int] | None = None  # (measured, planned) of the first plan
+        self._replans = 0
+        self._due: StepMeasurement | None = None
+        self._pending: tuple[_Trace, list, int] | None = None
+        self._attempts = 0  # measured forwards whose step could not be measured
+        self.measurements: list[StepMeasurement] = []
+        self._state = "measure" if self._checkable() else "done"
+        if getattr(compiled, "_boxed_call", False):
+            self._boxed_call = True
+
+    def _checkable(self) -> bool:
+        s = self._session
+        return s is not None and len(s.reports) == 1 and s.planned_steps is not None
+
+    @property
+    def report(self):
+        """The current report of the pair (``None`` when the compile planned no training pair)."""
+        return self._session.reports[-1] if self._session is not None and self._session.reports else None
+
+    # ------------------------------------------------------------------ calls
+    def __call__(self, *args):
+        if self._due is not None:
+            self._replan()
+        if self._state == "pending":
+            self._abandon_if_stale()
+        if self._state == "measure" and torch.is_grad_enabled() and measure_step_enabled():
+            return self._measured_forward(args)
+        return self._current(*args)
+
+    def _abandon_if_stale(self) -> None:
+        with self._lock:
+            trace, handles, calls = self._pending
+            if trace.is_open and trace._open_thread == threading.get_ident():
+                trace.stop()  # a backward that raised: its post hook never ran
+                trace.valid = False
+            calls += 1
+            if calls > _PENDING_CALLS or not trace.valid:
+                for h in handles:
+                    h.remove()
+                self._pending = None
+                self._attempts += 1
+                self._state = "measure" if self._attempts < _ATTEMPTS else "done"
+            else:
+                self._pending = (trace, handles, calls)
+
+    def _measured_forward(self, args):
+        planned = self._session.planned_steps
+        names = frozenset(op for op in planned.ops if op)
+        trace = _Trace(torch.device(planned.device), names)
+        try:
+            trace.start("forward")
+        except Exception as exc:  # the check must never break a step
+            self._give_up(trace, exc)
+            return self._current(*args)
+        try:
+            out = self._current(*args)
+        finally:
+            try:
+                trace.stop()
+            except Exception as exc:
+                self._give_up(trace, exc)
+        if not trace.valid:
+            return out
+        node = _backward_node(out)
+        if node is None:
+            self._attempts += 1
+            if self._attempts >= _ATTEMPTS:
+                self._state = "done"
+            return out
+        fired = [False]
+
+        def pre(grad_outputs):
+            if fired[0]:
+                return None
+            fired[0] = True
+            if not (measure_step_enabled() and trace.valid):
+                trace.valid = False
+                return None
+            try:
+                trace.start("backward")
+            except Exception as exc:  # the check must never break a backward
+                self._give_up(trace, exc)
+            return None
+
+        def post(grad_inputs, grad_outputs):
+            if trace.is_open and trace._open_thread == threading.get_ident():
+                try:
+                    trace.stop()
+                    self._finish(trace)
+                except Exception as exc:
+                    self._give_up(trace, exc)
+            return None
+
+        handles = [node.register_prehook(pre), node.register_hook(post)]
+        with self._lock:
+            self._pending = (trace, handles, 0)
+            self._state = "pending"
+        return out
+
+    def _give_up(self, trace: _Trace, exc: BaseException) -> None:
+        """Stop checking after an error inside the check itself (it never breaks a step)."""
+        trace.valid = False
+        with self._lock:
+            self._pending = None
+            self._state = "done"
+        warnings.warn(
+            f"trinity runtime_check: measuring the first step failed ({type(exc).__name__}: {exc}); the pair is "
+            "not checked",
+            stacklevel=2,
+        )
+
+    # ------------------------------------------------------------------ after a measured step
+    def _finish(self, trace: _Trace) -> None:
+        planned = self._session.planned_steps
+        with self._lock:
+            self._pending = None
+            if not trace.valid or trace.phases != ["forward", "backward"]:
+                self._attempts += 1
+                self._state = "measure" if self._attempts < _ATTEMPTS else "done"
+                return
+            if trace.device.type == "cuda" and trace.cuda_delta != 0 and not trace.allocations:
+                self._state = "done"
+                warnings.warn(
+                    "trinity runtime_check: the profiler reported no CUDA allocations while the allocator's count "
+                    "changed; the first step is not measured on this machine",
+                    stacklevel=2,
+                )
+                return
+            m = analyze(trace, planned)
+            self.measurements.append(m)
+            old = self.report
+            new = dataclasses.replace(old, measured_peak_bytes=m.peak_bytes)
+            _replace(old, new)
+            self._session.reports[-1] = new
+            if self._first is None:
+                self._first = (m.peak_bytes, old.peak_bytes_planned)
+            budget = old.budget_bytes
+            over = budget is not None and m.peak_bytes > budget
+            # Margins change the plan only where they raise its peak above the budget (and above
+            # the plan's own peak, for the lowest-peak plan of an infeasible budget).
+            explained = (
+                over and m.extra_bytes > 0 and m.predicted_with_margins_bytes > max(budget, old.peak_bytes_planned)
+            )
+            if explained and self._mode == "replan" and self._recompile is not None and self._replans < MAX_REPLANS:
+                self._due = m
+                self._state = "replan"
+                return
+            self._state = "done"
+        if over and (explained or old.peak_bytes_planned <= budget):
+            if not explained:
+                why = (
+                    f"no op's workspace explains it ({m.unexplained_bytes} bytes beyond the plan with the measured "
+                    "workspace: a retain_graph backward, several forwards before their backwards, or allocations "
+                    "the plan does not see); not replanned"
+                )
+            elif self._mode != "replan":
+                why = "runtime_check='measure': not replanned"
+            elif self._recompile is None:
+                why = "replanning is not supported with parameter offload"
+            else:
+                why = f"still after {self._replans} replans"
+            warnings.warn(
+                f"trinity graph {new.graph_id}: the measured peak of the first step, {m.peak_bytes} bytes, is above "
+                f"the budget {budget} bytes (planned {new.peak_bytes_planned}); {why}. " + _describe(m),
+                stacklevel=2,
+            )
+
+    def _replan(self) -> None:
+        from ..pipeline import InfeasibleBudgetError
+        from ..report import MeasuredCorrection
+
+        with self._lock:
+            m, self._due = self._due, None
+        old_report = self.report
+        budget = old_report.budget_bytes
+        margins = (self._margins or WorkspaceMargins(budget_bytes=budget)).merged(dict(m.op_workspace))
+        try:
+            compiled = self._recompile(margins)
+        except InfeasibleBudgetError as exc:
+            self._state = "done"
+            raise InfeasibleBudgetError(
+                f"trinity graph {old_report.graph_id}: the first step on this machine measured "
+                f"{m.peak_bytes} bytes against the budget {budget} bytes (planned {old_report.peak_bytes_planned}); "
+                f"{_describe(m)} With that workspace: {exc}"
+            ) from exc
+        except Exception as exc:  # a failed replan must not stop training that runs
+            self._state = "done"
+            warnings.warn(
+                f"trinity graph {old_report.graph_id}: planning again with the measured workspace failed "
+                f"({type(exc).__name__}: {exc}); the plan measured at {m.peak_bytes} bytes (budget {budget}) stays",
+                stacklevel=3,
+            )
+            return
+        session = session_of(compiled)
+        if session is None or len(session.reports) != 1:
+            self._state = "done"
+            return
+        self._replans += 1
+        self._margins = margins
+        recorded = session.reports[-1]
+        margins_now = session.planned_steps
+        node_margins = (
+            tuple(
+                (
+                    margins_now.nodes[i],
+                    margins_now.ops[i],
+                    margins_now.workspace_bytes[i] - margins_now.table_workspace_bytes[i],
+                )
+                for i in range(len(margins_now.nodes))
+                if margins_now.workspace_bytes[i] > margins_now.table_workspace_bytes[i]
+            )
+            if margins_now is not None
+            else m.node_margins
+        )
+        correction = MeasuredCorrection(
+            first_measured_peak_bytes=self._first[0],
+            first_planned_peak_bytes=self._first[1],
+            margins=node_margins,
+            total_margin_bytes=sum(b for _, _, b in node_margins),
+            replans=self._replans,
+            method=m.method,
+        )
+        final = dataclasses.replace(recorded, graph_id=old_report.graph_id, correction=correction)
+        _replace(old_report, final, drop=recorded)
+        session.reports[-1] = final
+        with self._lock:
+            self._retired.append((self._current, self._session))
+            self._session.runtime.pool.release_free()
+            self._current = compiled
+            self._session = session
+            self._state = "measure" if self._checkable() else "done"
+
+
+def _replace(old, new, drop=None) -> None:
+    """Put ``new`` in the report log in place of ``old``; with a dump folder, its ``report.json``
+    follows (the dumps describe the current report)."""
+    from pathlib import Path
+
+    from ..report import replace_report
+
+    replace_report(old, new, drop)
+    if new.dump_dir is not None:
+        try:
+            (Path(new.dump_dir) / "report.json").write_text(new.to_json())
+        except OSError:
+            pass
+
+
+def _describe(m: StepMeasurement) -> str:
+    top = sorted(m.node_margins, key=lambda x: -x[2])[:3]
+    if not top:
+        return "No op allocated workspace beyond the plan's."
+    where = ", ".join(f"{node} ({op}) {b} bytes" for node, op, b in top)
+    return (
+        f"Ops allocated workspace the plan did not model: {where}"
+        + (f", and {len(m.node_margins) - 3} more" if len(m.node_margins) > 3 else "")
+        + "."
+    )
+
+
+def session_of(compiled: Callable):
+    """The :class:`~offload_compiler.pipeline.CompileSession` the backend attached to ``compiled``."""
+    from torch._dynamo.eval_frame import innermost_fn
+
+    return getattr(innermost_fn(compiled), "_trinity_session", None)

@@ -1,0 +1,330 @@
+"""The runtime check of the first steps (offload_compiler/runtime/step_check.py).
+
+A kernel that allocates scratch its fake kernel does not show breaks a plan made from fake
+tensors. Here a custom op does it on purpose; the compiled code must measure the first step, see
+the measured peak above the budget, plan again with the measured workspace, and then stay within
+the budget with gradients still equal to the reference's. A second case mimics what an
+AVX512-BF16/AMX CPU does to ``test_e2e.py::test_bf16_autocast``: a bf16 ``mm`` kernel with an fp32
+accumulator as scratch.
+"""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from offload_compiler import measure_peak_device_bytes
+from offload_compiler.graph_pair import GraphPair
+from offload_compiler.passes import liveness
+from offload_compiler.passes.margins import WorkspaceMargins, matches, op_key
+from offload_compiler.pipeline import InfeasibleBudgetError
+from offload_compiler.runtime import step_check
+
+from . import models
+from .test_e2e import PEAK_SLACK_BYTES, SideBySide
+
+D, N, DEPTH = 128, 4096, 8
+ACT_BYTES = N * D * 4
+
+
+@torch.library.custom_op("trinity_test::scratch_tanh", mutates_args=())
+def scratch_tanh(x: torch.Tensor, factor: int) -> torch.Tensor:
+    """tanh whose kernel allocates ``factor`` times its input as scratch (the fake kernel does not)."""
+    scratch = torch.empty(x.numel() * factor, dtype=x.dtype, device=x.device)
+    scratch.fill_(1.0)
+    return torch.tanh(x)
+
+
+@scratch_tanh.register_fake
+def _(x, factor):
+    return torch.empty_like(x)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _backward(ctx, grad):
+    (y,) = ctx.saved_tensors
+    return grad * (1 - y * y), None
+
+
+scratch_tanh.register_autograd(_backward, setup_context=_setup)
+
+
+class ScratchMLP(nn.Module):
+    def __init__(self, factor=2):
+        super().__init__()
+        self.factor = factor
+        self.lins = nn.ModuleList(nn.Linear(D, D) for _ in range(DEPTH))
+        self.head = nn.Linear(D, 16)
+
+    def forward(self, x, y):
+        for lin in self.lins:
+            x = scratch_tanh(lin(x), self.factor)
+        return F.cross_entropy(self.head(x), y)
+
+
+def scratch_batch(n=N):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, D, generator=g), torch.randint(0, 16, (n,), generator=g)
+
+
+def _measure(sbs, batch):
+    sbs.model.zero_grad(set_to_none=True)
+    resident = list(sbs.model.parameters()) + list(batch)
+    m = measure_peak_device_bytes(lambda: sbs.trinity_step(batch), resident=resident, device="cpu")
+    sbs.model.zero_grad(set_to_none=True)
+    return m.peak_bytes
+
+
+def _report(sbs):
+    (r,) = sbs.reports()
+    return r
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_scratch_workspace_is_measured_and_replanned(inner):
+    sbs = SideBySide(lambda: ScratchMLP(factor=2), inner)
+    batch = scratch_batch()
+    sbs.step(batch)
+    first = _report(sbs)
+    assert first.budget_bytes is not None and first.peak_bytes_planned <= first.budget_bytes
+    assert first.correction is None
+    # The scratch the plan did not see: the first step is above the plan and the budget.
+    assert first.measured_peak_bytes > first.budget_bytes >= first.peak_bytes_planned, first.summary()
+    sbs.step(batch)  # runs the replanned pair (gradients checked against the reference)
+    r = _report(sbs)
+    assert r.graph_id == first.graph_id and r.budget_bytes == first.budget_bytes
+    c = r.correction
+    assert c is not None and c.replans == 1, r.summary()
+    assert c.first_measured_peak_bytes == first.measured_peak_bytes
+    assert c.first_planned_peak_bytes == first.peak_bytes_planned
+    scratch_nodes = [m for m in c.margins if m[1] == "trinity_test::scratch_tanh"]
+    assert len(scratch_nodes) == DEPTH and all(b == 2 * ACT_BYTES for _, _, b in scratch_nodes), c.margins
+    assert c.total_margin_bytes == sum(b for _, _, b in c.margins) >= DEPTH * 2 * ACT_BYTES
+    assert r.num_evicted > first.num_evicted
+    # The corrected plan, measured by the check and independently, is within the budget.
+    assert r.measured_peak_bytes is not None and r.measured_peak_bytes <= r.budget_bytes, r.summary()
+    assert r.peak_bytes_planned <= r.budget_bytes
+    assert _measure(sbs, batch) <= r.budget_bytes + PEAK_SLACK_BYTES
+    sbs.step(batch)
+    assert "measured" in r.summary() and "corrected" in r.summary()
+
+
+def test_without_the_check_the_scratch_breaks_the_budget():
+    """The control for the test above: the same model and budget with runtime_check='off'."""
+    sbs = SideBySide(lambda: ScratchMLP(factor=2), "eager", runtime_check="off")
+    batch = scratch_batch()
+    sbs.step(batch)
+    sbs.step(batch)
+    r = _report(sbs)
+    assert r.measured_peak_bytes is None and r.correction is None
+    assert _measure(sbs, batch) > r.budget_bytes + PEAK_SLACK_BYTES
+
+
+def test_measure_only_reports_and_warns():
+    sbs = SideBySide(lambda: ScratchMLP(factor=2), "eager", runtime_check="measure")
+    batch = scratch_batch()
+    with pytest.warns(UserWarning, match="measured peak of the first step.*above the budget.*'measure'"):
+        sbs.step(batch)
+    r = _report(sbs)
+    assert r.measured_peak_bytes > r.budget_bytes and r.correction is None
+    sbs.step(batch)
+    assert _report(sbs) is r  # measured once, not replanned
+
+
+def test_infeasible_with_the_measured_workspace_names_it():
+    # Scratch of 12 activations at every layer: no plan fits it under 50%.
+    sbs = SideBySide(lambda: ScratchMLP(factor=12), "eager")
+    batch = scratch_batch()
+    sbs.step(batch)
+    with pytest.raises(InfeasibleBudgetError, match=r"measured \d+ bytes against the budget.*scratch_tanh"):
+        sbs.trinity_step(batch)
+    # The pair keeps running its first plan.
+    sbs.model.zero_grad(set_to_none=True)
+    sbs.step(batch)
+
+
+def test_infeasible_with_warn_runs_the_lowest_peak_plan_with_the_workspace():
+    sbs = SideBySide(lambda: ScratchMLP(factor=12), "eager", on_infeasible="warn")
+    batch = scratch_batch()
+    sbs.step(batch)
+    first = _report(sbs)
+    with pytest.warns(UserWarning, match="lowest-peak plan"):
+        sbs.step(batch)
+    r = _report(sbs)
+    assert r.correction is not None and not r.feasible
+    assert first.feasible and first.measured_peak_bytes > first.budget_bytes
+    # The lowest-peak plan now counts the scratch, and predicts the step it runs.
+    assert r.peak_bytes_planned >= 12 * ACT_BYTES + first.peak_bytes_planned // 2
+    sbs.step(batch)
+    r = _report(sbs)
+    assert r.measured_peak_bytes <= r.peak_bytes_planned + PEAK_SLACK_BYTES < first.measured_peak_bytes
+
+
+def test_dynamic_shapes_replan_keeps_them_symbolic():
+    sbs = SideBySide(lambda: ScratchMLP(factor=2), "eager", dynamic=True)
+    sbs.step(scratch_batch(N))
+    sbs.step(scratch_batch(N))
+    r = _report(sbs)
+    assert r.correction is not None and r.measured_peak_bytes <= r.budget_bytes
+    for n in (N // 2, N):  # other sizes run the same replanned code, correctly
+        sbs.step(scratch_batch(n))
+    assert len(sbs.reports()) == 1
+
+
+def test_a_running_profiler_defers_the_measurement():
+    sbs = SideBySide(lambda: ScratchMLP(factor=2), "eager")
+    batch = scratch_batch()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        sbs.step(batch)
+    assert _report(sbs).measured_peak_bytes is None
+    sbs.step(batch)
+    assert _report(sbs).measured_peak_bytes is not None
+
+
+def test_a_model_without_unmodelled_workspace_is_not_replanned():
+    sbs = SideBySide(models.MLP, "eager")
+    batch = models.mlp_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        sbs.step(batch)
+        sbs.step(batch)
+    r = _report(sbs)
+    assert r.correction is None
+    assert r.measured_peak_bytes is not None and r.measured_peak_bytes <= r.budget_bytes
+    # The check's measurement is the independent one's, up to what runs outside the graphs.
+    assert abs(r.measured_peak_bytes - _measure(sbs, batch)) <= PEAK_SLACK_BYTES
+
+
+@contextlib.contextmanager
+def amx_like_bf16_mm():
+    """``aten::mm`` on the CPU with an fp32 accumulator of the output as scratch for bf16 inputs,
+    as oneDNN's AMX path allocates (the values are the stock kernel's: it calls ``mm.out``)."""
+    lib = torch.library.Library("aten", "IMPL")
+
+    def mm(a, b):
+        out = a.new_empty((a.shape[0], b.shape[1]))
+        if a.dtype == torch.bfloat16:
+            torch.empty(a.shape[0] * b.shape[1], dtype=torch.float32).zero_()
+        torch.ops.aten.mm.out(a, b, out=out)
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
+        lib.impl("mm", mm, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+@pytest.mark.parametrize("check", ["replan", "off"])
+def test_bf16_autocast_with_amx_like_mm_workspace(check):
+    """``test_e2e.py::test_bf16_autocast[eager]`` with a bf16 matmul that allocates what the one
+    on an AVX512-BF16/AMX CPU does: the check corrects the plan (and without it the same
+    ``check_memory`` fails, as it did on that machine)."""
+    with amx_like_bf16_mm():
+        sbs = SideBySide(models.GPTLoss, "eager", budget="60%", runtime_check=check)
+        batch = models.gpt_batch()
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                ref = sbs.ref(*batch)
+                loss = sbs.compiled(*batch)
+            ref.backward()
+            loss.backward()
+            assert torch.equal(loss.detach(), ref.detach())
+            sbs.check_grads("bf16")
+            sbs.model.zero_grad(set_to_none=True)
+            sbs.ref_model.zero_grad(set_to_none=True)
+        r = _report(sbs)
+        context = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+        if check == "off":
+            with pytest.raises(AssertionError, match="exceeds budget"):
+                sbs.check_memory(batch, context=context)
+            return
+        assert r.correction is not None and any(op == "aten::mm" for _, op, _ in r.correction.margins)
+        assert r.correction.first_measured_peak_bytes > r.budget_bytes
+        sbs.check_memory(batch, context=context)
+
+
+# ------------------------------------------------------------------------------ units
+
+
+def _pair_of(fn, *args):
+    """A (forward, backward) pair of ``fn`` traced by AOTAutograd's partitioner."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    got = {}
+
+    def partition(gm, inputs, **kwargs):
+        fw, bw = min_cut_rematerialization_partition(gm, inputs, **kwargs)
+        got["pair"] = GraphPair(
+            fw, bw, kwargs["num_fwd_outputs"], tuple(kwargs.get("static_lifetime_input_indices") or ())
+        )
+        return fw, bw
+
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    compiled = torch.compile(
+        fn, backend=aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
+    )
+    compiled(*args).sum().backward()
+    return got["pair"]
+
+
+def test_op_keys_match_out_calls_and_margins_feed_liveness():
+    a = torch.randn(64, 32, requires_grad=True)
+    b = torch.randn(32, 16, requires_grad=True)
+    pair = _pair_of(lambda a, b: torch.mm(a, b).tanh(), a, b)
+    (mm,) = [n for n in pair.forward.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.mm.default]
+    key = op_key(mm)
+    assert key == ("aten::mm", (((64, 32), "torch.float32"), ((32, 16), "torch.float32")))
+    # Inductor calls mm(a, b, out=buf): one more tensor.
+    out_call = (key[0], key[1] + (((64, 16), "torch.float32"),))
+    assert matches(out_call, key) and not matches(key, out_call[:1] + ((key[1][1], key[1][0]),))
+    assert op_key(next(iter(pair.forward.graph.find_nodes(op="placeholder")))) is None
+    margins = WorkspaceMargins(((out_call, 10_000),), budget_bytes=123)
+    assert margins.bytes_for(key) == 10_000 and margins.node_bytes(mm) == 10_000
+    assert margins.merged({key: 4_000}).bytes_for(key) == 10_000
+    assert margins.merged({key: 40_000}).bytes_for(key) == 40_000
+    assert margins.merged({}).budget_bytes == 123
+    plain = liveness.analyze(pair)
+    with_m = liveness.analyze(pair, margins=margins)
+    step = plain.step_named("forward", mm.name)
+    assert plain.workspace_bytes[step] == 0 and with_m.workspace_bytes[step] == 10_000
+    assert (with_m.live_bytes() - plain.live_bytes()).tolist() == [
+        10_000 if s == step else 0 for s in range(plain.num_steps)
+    ]
+
+
+def test_analyze_counts_transients_held_excess_and_the_step_peak():
+    a = torch.randn(64, 32, requires_grad=True)
+    b = torch.randn(32, 16, requires_grad=True)
+    pair = _pair_of(lambda a, b: torch.mm(a, b).tanh(), a, b)
+    planned = step_check.PlannedSteps.of(pair, False, None)
+    mm_step = planned.ops.index("aten::mm")
+    key = planned.keys[mm_step]
+    trace = step_check._Trace(torch.device("cpu"), frozenset({"aten::mm"}))
+    out_bytes = planned.defined_bytes[mm_step]
+    assert out_bytes == 64 * 16 * 4
+    # mm: its output, 8 KiB of scratch, and 5 KiB more output than modelled; then a free.
+    trace.allocations = [(1, 100, out_bytes + 5120), (2, 200, 8192), (3, 200, -8192), (9, 100, -(out_bytes + 5120))]
+    trace.ops = [(key, 8192, out_bytes + 5120), (("aten::mm", ()), 1 << 20, 0)]  # the second matches no node
+    m = step_check.analyze(trace, planned)
+    assert m.peak_bytes == planned.resident_bytes + out_bytes + 5120 + 8192
+    assert m.op_workspace == ((key, 8192 + 5120),)
+    assert m.node_margins == ((planned.nodes[mm_step], "aten::mm", 8192 + 5120),)
+    assert m.extra_bytes == 8192 + 5120
+    assert m.predicted_with_margins_bytes == max(
+        b + (8192 + 5120 if i == mm_step else w)
+        for i, (b, w) in enumerate(zip(planned.base_bytes, planned.workspace_bytes))
+    )
+    # Below MIN_TRANSIENT_BYTES it is bookkeeping, not a margin.
+    trace.ops = [(key, step_check.MIN_TRANSIENT_BYTES - 1, out_bytes)]
+    assert step_check.analyze(trace, planned).op_workspace == ()
