@@ -177,6 +177,7 @@ class MemoryBudget:
 _INNER = ("inductor", "eager")
 _ON_INFEASIBLE = ("error", "warn")
 _OFFLOAD = ("activations", "activations+params", "all")
+_STRATEGY = ("auto", "offload", "recompute")
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,13 @@ class TrinityOptions:
             gradients and optimizer state: parameters live in host memory between steps, gradients
             go to host memory as produced, ``offload_compiler.CPUOptimizer`` steps on the CPU).
             Parameter offload needs ``inner="eager"``.
+        strategy: how a budget below the unplanned peak is met, per saved activation:
+            ``"auto"`` (the default: keep, offload or recompute, whichever the joint planner
+            predicts fastest within the budget, ``passes/plan_recompute.py``), ``"offload"``
+            (keep or offload only) or ``"recompute"`` (keep or recompute in the backward only, no
+            copies). With parameter offload (``offload`` other than ``"activations"``) saved
+            activations are kept or offloaded (``"auto"`` means ``"offload"`` there;
+            ``"recompute"`` is refused).
     """
 
     memory_budget: MemoryBudget = field(default_factory=lambda: MemoryBudget("auto"))
@@ -246,6 +254,7 @@ class TrinityOptions:
     fault_injection: int | None = None
     offload: Literal["activations", "activations+params", "all"] = "activations"
     num_streams: int | None = None
+    strategy: Literal["auto", "offload", "recompute"] = "auto"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -292,6 +301,12 @@ class TrinityOptions:
             values[key] = (value, key)
         kwargs = {name: _validate(name, value, where) for name, (value, where) in values.items()}
         opts = cls(**kwargs)
+        if opts.strategy == "recompute" and opts.offload != "activations":
+            raise ValueError(
+                f"trinity option 'strategy': 'recompute' is not combined with offload={opts.offload!r} yet "
+                "(with parameter offload saved activations are kept or offloaded); use strategy='auto' or "
+                "'offload', or offload='activations'"
+            )
         if opts.offload != "activations" and opts.inner != "eager":
             raise ValueError(
                 f"trinity option 'offload': {opts.offload!r} needs inner='eager' (parameter storages are "
@@ -365,6 +380,10 @@ def _validate(name: str, value: Any, where: str) -> Any:
     if name == "offload":
         if value not in _OFFLOAD:
             raise bad("one of " + ", ".join(repr(v) for v in _OFFLOAD))
+        return value
+    if name == "strategy":
+        if value not in _STRATEGY:
+            raise bad("one of " + ", ".join(repr(v) for v in _STRATEGY))
         return value
     if name == "on_infeasible":
         if value not in _ON_INFEASIBLE:
