@@ -300,6 +300,7 @@ class CompileSession:
             message = plan_window.describe_infeasible(
                 the_plan, live, opts.memory_budget.describe(), opts.min_offload_bytes, opts.on_infeasible
             )
+            message += plan_recompute.infeasible_note(joint.recompute)
             if opts.on_infeasible == "error":
                 if dumper:
                     dumper.text("error.txt", message)

@@ -9,8 +9,12 @@ memory and counts in every peak, except with ``--offload all``. ``--offload`` pl
 offloading as the backend's option does: with ``activations+params`` or ``all`` the parameters
 are fetched around their uses (:mod:`.passes.param_residency`), with ``all`` gradients and
 optimizer state live in host memory; the host bytes are reported and the parameter copies are
-part of the simulated step. It draws the memory/time frontier over the budgets as a PNG and
-names the smallest budget whose predicted step is within 5% of the step without offloading.
+part of the simulated step. ``--strategy`` chooses how saved activations meet a budget, as the
+backend's option does: ``auto`` (keep, offload or recompute, the joint planner of
+:mod:`.passes.plan_recompute`), ``offload`` or ``recompute``; the ``recompute`` column shows what is
+recomputed in the backward and its predicted seconds. It draws the memory/time frontier over the
+budgets as a PNG and names the smallest budget whose predicted step is within 5% of the step
+without offloading.
 
 This is the "impossible trinity" made explicit: a larger model, a faster step or a cheaper GPU.
 """
@@ -28,7 +32,7 @@ import torch
 from .devices import KNOWN_DEVICES, DeviceSpec, lookup_device
 from .graph_pair import fill_tuple_vals
 from .options import MemoryBudget, format_bytes, parse_size
-from .passes import cost_model, liveness, param_residency, plan_window, reorder
+from .passes import cost_model, liveness, param_residency, plan_recompute, plan_window, reorder
 from .passes.simulate import simulate
 
 __all__ = ["PlanRow", "plan_model", "main"]
@@ -58,6 +62,11 @@ class PlanRow:
     evicted_bytes: int
     num_evicted: int
     fits_device: bool
+    recomputed_bytes: int = 0
+    num_recomputed: int = 0
+    recompute_seconds: float = 0.0
+    recompute_flops: int = 0
+    chosen: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,7 @@ class PlanResult:
     plan_seconds: float
     offload: str = "activations"
     host_model_state_bytes: int = 0
+    strategy: str = "offload"
 
     def within_5_percent(self) -> PlanRow | None:
         """The feasible row with the smallest budget whose step is within 5% of no offloading."""
@@ -126,14 +136,17 @@ def plan_model(
     min_offload_bytes: int = 1 << 20,
     hf_overrides: dict | None = None,
     offload: str = "activations",
+    strategy: str = "auto",
 ) -> PlanResult:
     """Plan ``model``'s training step for each budget on ``device`` (see the module docstring).
 
     Budgets are sizes (``"24GiB"``), percentages of the peak without offloading (``"50%"``) or
-    ``"device"`` (the device's memory).
+    ``"device"`` (the device's memory). ``strategy``: ``"auto"``, ``"offload"`` or ``"recompute"``
+    (see the module docstring); with parameter offload saved activations are kept or offloaded.
 
     Raises:
-        ValueError: for an unknown model, optimizer or a malformed budget, naming it.
+        ValueError: for an unknown model, optimizer, strategy or a malformed budget, naming it;
+            for ``strategy="recompute"`` with parameter offload.
     """
     from .trace import trace_training_step
 
@@ -143,6 +156,10 @@ def plan_model(
         raise ValueError(f"unknown offload {offload!r}; one of activations, {', '.join(param_residency.MODES)}")
     if not budgets:
         raise ValueError("--budgets: no budget given; e.g. '100%,50%,24GiB,device'")
+    if strategy not in plan_recompute.STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(plan_recompute.STRATEGIES)}")
+    if strategy == "recompute" and offload != "activations":
+        raise ValueError(f"--strategy recompute is not combined with --offload {offload} yet")
     parsed = []
     for b in budgets:
         if b == "device":
@@ -178,10 +195,14 @@ def plan_model(
 
     def plan_at(graph_budget):
         """The activation plan (on the residency view with parameter offload), its predicted
-        step and exposed copy seconds."""
+        step and exposed copy seconds, and the joint planner's choice (``None`` with parameter
+        offload)."""
         if not chosen:
-            p = plan_window.plan(live, costs, graph_budget, min_offload_bytes)
-            return p, p.predicted_step_seconds, p.exposed_transfer_seconds
+            joint = plan_recompute.plan_joint(
+                pair, live, costs, graph_budget, strategy, min_offload_bytes, rng_replay=False, assume_fusion=True
+            )
+            p = joint.plan
+            return p, p.predicted_step_seconds, p.exposed_transfer_seconds, joint.recompute
         for use_windows in (True, False):
             res = param_residency.plan(
                 pair, live, costs, chosen, offload, live.live_bytes(), graph_budget, use_windows=use_windows
@@ -191,7 +212,7 @@ def plan_model(
                 break
         tasks = plan_window.copy_tasks(p.evictions, costs)
         timeline = simulate(costs.step_seconds, tasks + param_residency.copy_tasks(res, costs, len(tasks)))
-        return p, timeline.step_seconds, timeline.exposed_seconds
+        return p, timeline.step_seconds, timeline.exposed_seconds, None
 
     # The lowest peak any plan reaches: every candidate evicted as tightly as possible.
     lowest = plan_at(0)[0].lowest_reachable_peak_bytes + state
@@ -202,20 +223,25 @@ def plan_model(
         if total < lowest:
             rows.append(PlanRow(text, total, lowest, lowest, False, float("nan"), float("nan"), 0, 0, False))
             continue
-        p, step_s, exposed_s = plan_at(graph_budget)
+        p, step_s, exposed_s, rp = plan_at(graph_budget)
         peak = p.peak_bytes_planned + state
         rows.append(
             PlanRow(
                 budget=text,
                 budget_bytes=total,
                 planned_peak_bytes=peak,
-                lowest_reachable_bytes=p.lowest_reachable_peak_bytes + state,
+                lowest_reachable_bytes=lowest,
                 feasible=p.feasible,
                 predicted_step_seconds=step_s,
                 exposed_seconds=exposed_s,
                 evicted_bytes=p.evicted_bytes,
                 num_evicted=len(p.evictions),
                 fits_device=peak <= device.memory_bytes,
+                recomputed_bytes=rp.recomputed_bytes if rp else 0,
+                num_recomputed=len(rp.recomputes) if rp else 0,
+                recompute_seconds=rp.recompute_seconds if rp else 0.0,
+                recompute_flops=rp.recompute_flops if rp else 0,
+                chosen=rp.chosen if rp else "offload only",
             )
         )
     return PlanResult(
@@ -231,6 +257,7 @@ def plan_model(
         plan_seconds=time.perf_counter() - t0,
         offload=offload,
         host_model_state_bytes=host,
+        strategy=strategy if not chosen else "offload",
     )
 
 
@@ -307,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         default="activations",
         help="activations, activations+params or all (parameters, gradients, optimizer state on the host)",
     )
+    parser.add_argument(
+        "--strategy",
+        default="auto",
+        choices=plan_recompute.STRATEGIES,
+        help="how saved activations meet a budget: auto (keep, offload or recompute), offload or recompute",
+    )
     parser.add_argument("--png", default="plan_frontier.png", help="where to draw the frontier ('' for none)")
     parser.add_argument(
         "--hf", action="append", default=[], metavar="KEY=VALUE", help="config override for hf: models (repeatable)"
@@ -342,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             parse_size("--min-offload-bytes", args.min_offload_bytes),
             overrides,
             args.offload,
+            args.strategy,
         )
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -357,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(
         f"peak without offloading {format_bytes(result.unplanned_peak_bytes)}; step without offloading "
         f"{result.compute_seconds * 1e3:.1f} ms (predicted); traced in {result.trace_seconds:.1f} s, planned "
-        f"{len(result.rows)} budgets in {result.plan_seconds:.1f} s"
+        f"{len(result.rows)} budgets in {result.plan_seconds:.1f} s (strategy {result.strategy})"
     )
     if result.offload != "activations":
         console.print(
@@ -365,7 +399,16 @@ def main(argv: list[str] | None = None) -> int:
             "(parameter master copies" + (", gradients, optimizer state" if result.offload == "all" else "") + ")"
         )
     table = Table()
-    for col in ("budget", "budget bytes", "planned peak", "fits device", "step (pred.)", "exposed copy", "evicted"):
+    for col in (
+        "budget",
+        "budget bytes",
+        "planned peak",
+        "fits device",
+        "step (pred.)",
+        "exposed copy",
+        "evicted",
+        "recompute",
+    ):
         table.add_column(col, justify="right", no_wrap=True)
     for r in result.rows:
         if not r.feasible:
@@ -382,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
             step,
             exposed,
             f"{format_bytes(r.evicted_bytes)} ({r.num_evicted})" if r.feasible else "",
+            (
+                f"{format_bytes(r.recomputed_bytes)} ({r.num_recomputed}), {r.recompute_seconds * 1e3:.1f} ms"
+                if r.feasible and r.num_recomputed
+                else ("0 B" if r.feasible else "")
+            ),
         )
     console.print(table)
     best = result.within_5_percent()

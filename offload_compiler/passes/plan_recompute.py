@@ -69,6 +69,7 @@ __all__ = [
     "have_solver",
     "summary",
     "decisions",
+    "infeasible_note",
 ]
 
 STRATEGIES = ("auto", "offload", "recompute")
@@ -338,6 +339,30 @@ def _offload_cands(live: Liveness, costs: Costs, min_bytes: int, ce: np.ndarray)
     return out
 
 
+def _quiet_highs(highspy):
+    """``highspy.Highs()`` without the banner its C++ constructor prints to the process's stdout
+    (before any option can turn logging off): file descriptor 1 points to ``os.devnull`` for the
+    duration of the constructor only."""
+    import os
+    import sys
+
+    try:
+        fd = sys.stdout.fileno() if hasattr(sys.stdout, "fileno") else 1
+    except (OSError, ValueError):  # a captured stdout without a descriptor
+        fd = 1
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), fd)
+            try:
+                return highspy.Highs()
+            finally:
+                os.dup2(saved, fd)
+    finally:
+        os.close(saved)
+
+
 class _Model:
     """A sparse MIP built row by row (``row_lower <= A x <= row_upper``)."""
 
@@ -385,7 +410,7 @@ class _Model:
         lp.integrality_ = [
             highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in self.integer
         ]
-        h = highspy.Highs()
+        h = _quiet_highs(highspy)
         h.setOptionValue("output_flag", False)
         h.setOptionValue("time_limit", float(time_limit))
         h.setOptionValue("mip_rel_gap", 1e-3)
@@ -669,6 +694,7 @@ def choose(
     lows = [p.lowest_reachable_peak_bytes for (_c, o), (_n, p) in scored.items() if o is None]
     lows += [p.peak_bytes_planned for (_c, o), (_n, p) in scored.items() if o is not None]
     details["lowest"] = min(lows) if lows else None
+    details["offload_only"] = scored.get((frozenset(), None), (None, None))[1]
     return best[0], best[1], best[2], details
 
 
@@ -817,7 +843,7 @@ def plan_joint(
         scored=details["scored"],
         lowest_reachable_peak_bytes=details["lowest"],
     )
-    offload_only = plan_offload(live, costs, budget, min_offload_bytes) if strategy != "recompute" else None
+    offload_only = details["offload_only"]
     if not chosen:
         the_plan = offload_only if offload_only is not None else plan_offload(live, costs, budget, min_offload_bytes)
         if strategy == "recompute":
@@ -848,6 +874,12 @@ def plan_joint(
         tuple(n.name for n in copy.forward.graph.nodes),
         tuple(n.name for n in copy.backward.graph.nodes),
     )
+    # Unplanned means without any plan (recomputation included); the lowest peak is the lowest
+    # of every candidate's.
+    lowest = the_plan.lowest_reachable_peak_bytes
+    if details["lowest"] is not None:
+        lowest = min(lowest, details["lowest"])
+    the_plan = replace(the_plan, peak_bytes_unplanned=live.peak_bytes, lowest_reachable_peak_bytes=lowest)
     rp = RecomputePlan(
         chosen=name, recomputes=_records(live, chains), plan_seconds=time.perf_counter() - t0, note=note, **common
     )
@@ -889,3 +921,24 @@ def decisions(joint: JointPlan) -> tuple[tuple[str, int, str], ...]:
         decision = "recompute" if s.fw_node in recomputed else "offload" if s.fw_node in offloaded else "keep"
         out.append((s.fw_node, s.copy_bytes, decision))
     return tuple(out)
+
+
+def infeasible_note(rp: RecomputePlan) -> str:
+    """What the joint planner adds to the error for a budget no plan reaches (empty for
+    ``strategy="offload"``)."""
+    if rp.strategy == "offload":
+        return ""
+    from ..options import format_bytes
+
+    parts = [
+        f" strategy={rp.strategy!r}: {len(rp.recomputes)} of {rp.num_recomputable} recomputable saved buffers "
+        "recomputed in this plan"
+    ]
+    if rp.lowest_reachable_peak_bytes is not None:
+        parts.append(f", lowest peak estimated with recomputation {format_bytes(rp.lowest_reachable_peak_bytes)}")
+    if rp.refused:
+        name, why = rp.refused[0]
+        parts.append(f"; {len(rp.refused)} saved buffers may not be recomputed (e.g. {name}: {why})")
+    if rp.strategy == "recompute":
+        parts.append("; strategy='auto' may also offload")
+    return "".join(parts) + "."
