@@ -74,6 +74,7 @@ __all__ = [
 
 STRATEGIES = ("auto", "offload", "recompute")
 SOLVER_TIME_LIMIT_S = 0.5
+MAX_EXACT_TRIES = 3
 _PREFIX_FRACTIONS = (0.125, 0.25, 0.5, 1.0)
 
 
@@ -232,6 +233,7 @@ def recompute_view(live: Liveness, costs: Costs, chains: dict[int, Chain], chose
     secs = list(costs.step_seconds)
     flops = list(costs.step_flops)
     nxt = len(buffers)
+    states: dict[int, tuple[int, int]] = {}
     for b in sorted(chosen):
         buf, c = buffers[b], chains[b]
         end = max(buf.def_step, buf.last_fw_use if buf.last_fw_use is not None else buf.def_step)
@@ -263,8 +265,31 @@ def recompute_view(live: Liveness, costs: Costs, chains: dict[int, Chain], chose
                 )
             )
             nxt += 1
+        for step, nbytes in c.rng_states:
+            if nbytes:  # a saved generator state: from the random op to the first replay
+                prev = states.get(step)
+                states[step] = (nbytes, min(rc[b], prev[1]) if prev else rc[b])
         secs[rc[b] - 1] += c.seconds
         flops[rc[b] - 1] += c.flops
+    for step, (nbytes, until) in sorted(states.items()):
+        extra.append(
+            replace(
+                live.buffers[next(iter(chosen))],
+                id=nxt,
+                kind=BufferKind.TEMPORARY,
+                size_bytes=nbytes,
+                def_step=step,
+                last_step=until,
+                use_steps=(),
+                nodes=(),
+                saved=(),
+                last_fw_use=None,
+                first_bw_use=None,
+                source_step=None,
+                fused=False,
+            )
+        )
+        nxt += 1
     for leaf_buf, step in need.items():
         if leaf_buf in chosen:
             continue
@@ -463,6 +488,9 @@ def _build_model(live, costs, offs: list[_Off], chains: list[Chain], budget: int
             jump(c.recompute_before, v, c.size_bytes)
         jump(c.recompute_before, v, c.transient_bytes)
         jump(c.recompute_before + 1, v, -c.transient_bytes)
+        for step, nbytes in c.rng_states:
+            jump(step, v, nbytes)
+            jump(c.recompute_before + 1, v, -nbytes)
     # A chain that reads a recomputed leaf before the leaf's own recompute point moves that
     # recomputation earlier (the leaf's copy lives longer): with both chosen (y >= r_d + r_L - 1)
     # the leaf's bytes count from the dependent's point. Moves of moves are excluded (below), so
@@ -682,11 +710,9 @@ def choose(
                 score("recompute everything, offload the rest", everything, None)
     if not scored:  # recompute only, and nothing can be recomputed
         score("recompute only", (), frozenset())
-    best_key, best = None, None
-    for (chosen, only), (name, p) in scored.items():
-        key = _score_key(p, len(chosen))
-        if best_key is None or key < best_key:
-            best_key, best = key, (name, chosen, only)
+    ranked = sorted(scored.items(), key=lambda kv: _score_key(kv[1][1], len(kv[0][0])))
+    details["ranked"] = tuple((name, chosen, only) for (chosen, only), (name, _p) in ranked)
+    best = details["ranked"][0]
     details["scored"] = tuple(
         (name, len(chosen), p.predicted_step_seconds, p.peak_bytes_planned, p.feasible)
         for (chosen, only), (name, p) in scored.items()
@@ -841,49 +867,68 @@ def plan_joint(
         num_recomputable=len(analysis.chains),
         refused=tuple(refused),
         scored=details["scored"],
-        lowest_reachable_peak_bytes=details["lowest"],
     )
-    offload_only = details["offload_only"]
-    if not chosen:
-        the_plan = offload_only if offload_only is not None else plan_offload(live, costs, budget, min_offload_bytes)
-        if strategy == "recompute":
-            the_plan = plan_offload(live, costs, budget, min_offload_bytes, only=frozenset())
-        rp = RecomputePlan(chosen=name, plan_seconds=time.perf_counter() - t0, **common)
-        return JointPlan(rp, (), live, live, costs, the_plan)
-    chains = tuple(by_buf[b] for b in sorted(chosen))
-    copy = insert_recompute.copy_pair(pair)
-    insert_recompute.apply(copy, live, chains)
-    live2 = liveness_pass.analyze(copy, assume_fusion=assume_fusion)
-    costs2 = _costs_after(copy, live, costs, live2)
-    allowed = None
-    if only is not None:
-        names = {live.saved[i].fw_node for b in only if b not in chosen for i in live.buffers[b].saved}
-        allowed = frozenset(s.buffer for s in live2.saved if s.fw_node in names)
-    the_plan = plan_offload(live2, costs2, budget, min_offload_bytes, only=allowed)
+
+    def exact(chosen, only):
+        """``(chains, liveness, costs, plan, names)`` of a candidate on the rewritten graphs."""
+        if not chosen:
+            allowed = None if only is None else frozenset(only)
+            return (), live, costs, plan_offload(live, costs, budget, min_offload_bytes, only=allowed), None
+        chains = tuple(by_buf[b] for b in sorted(chosen))
+        copy = insert_recompute.copy_pair(pair)
+        insert_recompute.apply(copy, live, chains)
+        live2 = liveness_pass.analyze(copy, assume_fusion=assume_fusion)
+        costs2 = _costs_after(copy, live, costs, live2)
+        allowed = None
+        if only is not None:
+            names = {live.saved[i].fw_node for b in only if b not in chosen for i in live.buffers[b].saved}
+            allowed = frozenset(s.buffer for s in live2.saved if s.fw_node in names)
+        p = plan_offload(live2, costs2, budget, min_offload_bytes, only=allowed)
+        if not p.feasible and allowed is not None and strategy != "recompute":
+            p = plan_offload(live2, costs2, budget, min_offload_bytes)
+        names = (tuple(n.name for n in copy.forward.graph.nodes), tuple(n.name for n in copy.backward.graph.nodes))
+        return chains, live2, costs2, replace(p, peak_bytes_unplanned=live.peak_bytes), names
+
+    # Stage 3: the best candidates by their scores, exactly, until one meets the budget.
+    tried = []
+    result = None
+    for name, chosen, only in details["ranked"][:MAX_EXACT_TRIES]:
+        got = exact(chosen, only)
+        tried.append((name, got))
+        if got[3].feasible:
+            result = (name, got)
+            break
     note = None
-    if not the_plan.feasible and allowed is not None and strategy != "recompute":
-        the_plan = plan_offload(live2, costs2, budget, min_offload_bytes)
-    if not the_plan.feasible and offload_only is not None and offload_only.feasible:
+    offload_only = details["offload_only"]
+    if result is None and offload_only is not None and offload_only.feasible:
+        result = ("offload only", ((), live, costs, offload_only, None))
+    if result is None:  # none meets the budget: the lowest exact peak
+        result = min(tried, key=lambda t: (t[1][3].peak_bytes_planned, len(t[1][0])))
+    if result[0] != details["ranked"][0][0]:
         note = (
-            f"the exact plan of {name!r} ({len(chains)} recomputed) peaks at {the_plan.peak_bytes_planned} bytes, "
-            f"over the budget its estimate met; offloading only instead"
+            f"the exact plan of the best-scored candidate {details['ranked'][0][0]!r} missed the budget; "
+            f"using {result[0]!r}"
         )
-        rp = RecomputePlan(chosen="offload only", plan_seconds=time.perf_counter() - t0, note=note, **common)
-        return JointPlan(rp, (), live, live, costs, offload_only)
-    names = (
-        tuple(n.name for n in copy.forward.graph.nodes),
-        tuple(n.name for n in copy.backward.graph.nodes),
-    )
-    # Unplanned means without any plan (recomputation included); the lowest peak is the lowest
-    # of every candidate's.
-    lowest = the_plan.lowest_reachable_peak_bytes
-    if details["lowest"] is not None:
-        lowest = min(lowest, details["lowest"])
-    the_plan = replace(the_plan, peak_bytes_unplanned=live.peak_bytes, lowest_reachable_peak_bytes=lowest)
+    name, (chains, live2, costs2, the_plan, names) = result
+    # The lowest peak: exact where the budget is missed (the candidates tried), else the lowest of
+    # every candidate's (estimated).
+    if the_plan.feasible:
+        lowest = min(the_plan.lowest_reachable_peak_bytes, details["lowest"] or the_plan.lowest_reachable_peak_bytes)
+    else:
+        lowest = min(t[1][3].peak_bytes_planned for t in tried)
+        for _name, (chains_t, _l, _c, p, _n) in tried:
+            if not chains_t:  # offloading every allowed candidate tightly: exact too
+                lowest = min(lowest, p.lowest_reachable_peak_bytes)
+    the_plan = replace(the_plan, lowest_reachable_peak_bytes=lowest)
     rp = RecomputePlan(
-        chosen=name, recomputes=_records(live, chains), plan_seconds=time.perf_counter() - t0, note=note, **common
+        chosen=name,
+        recomputes=_records(live, chains),
+        plan_seconds=time.perf_counter() - t0,
+        note=note,
+        lowest_reachable_peak_bytes=lowest,
+        **common,
     )
-    return JointPlan(rp, chains, live, live2, costs2, the_plan, names)
+    return JointPlan(rp, chains, live, live2, costs2, the_plan, names or ((), ()))
 
 
 def summary(rp: RecomputePlan) -> dict:

@@ -165,6 +165,9 @@ class Chain:
         transient_bytes: fresh intermediates it allocates besides the buffer (bytes, upper bound).
         recompute_before: the buffer's first backward reader (the recomputation goes right before).
         last_fw_use: its last forward reader (the forward frees it after that).
+        rng_states: ``(forward step of the random op, bytes)`` of each generator state the
+            forward saves for it: device bytes only where liveness counts host tensors as device
+            memory (a CPU graph); a CUDA generator's state is a host tensor (0 bytes).
     """
 
     buffer: int
@@ -179,6 +182,7 @@ class Chain:
     transient_bytes: int
     recompute_before: int
     last_fw_use: int
+    rng_states: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -296,6 +300,7 @@ def analyze(pair: GraphPair, liveness: Liveness, costs: Costs, rng_replay: bool 
             if tag == "forward":
                 buffer_of.setdefault(name, []).append(b.id)
 
+    state_bytes = int(torch.get_rng_state().numel())  # the CPU generator's state (uint8)
     chains, refused = [], []
     for b in liveness.buffers:
         if b.kind is not BufferKind.SAVED or not b.on_device or not b.saved:
@@ -377,6 +382,9 @@ def analyze(pair: GraphPair, liveness: Liveness, costs: Costs, rng_replay: bool 
                 transient_bytes=int(transient),
                 recompute_before=int(b.first_bw_use),
                 last_fw_use=int(b.last_fw_use),
+                rng_states=tuple(
+                    (order[n], state_bytes if liveness.device == "cpu" else 0) for n in names if _rng_replayed(nodes[n])
+                ),
             )
         )
     return ChainAnalysis(tuple(chains), tuple(refused))
