@@ -137,12 +137,15 @@ def plan_model(
     hf_overrides: dict | None = None,
     offload: str = "activations",
     strategy: str = "auto",
+    traced=None,
 ) -> PlanResult:
     """Plan ``model``'s training step for each budget on ``device`` (see the module docstring).
 
     Budgets are sizes (``"24GiB"``), percentages of the peak without offloading (``"50%"``) or
     ``"device"`` (the device's memory). ``strategy``: ``"auto"``, ``"offload"`` or ``"recompute"``
     (see the module docstring); with parameter offload saved activations are kept or offloaded.
+    ``traced``: a :class:`~.trace.TracedStep` of this model to plan instead of tracing it again
+    (its graphs are reordered in place, as the backend does, once).
 
     Raises:
         ValueError: for an unknown model, optimizer, strategy or a malformed budget, naming it;
@@ -172,16 +175,19 @@ def plan_model(
             if mb is None or mb.kind not in ("bytes", "fraction"):
                 raise ValueError(f"--budgets: {b!r} is not a size ('24GiB'), a percentage ('50%') or 'device'")
             parsed.append((b, mb))
-    build, vocab = _build(model, seq_len, hf_overrides or {})
     t0 = time.perf_counter()
-    traced = trace_training_step(build, batch, seq_len, vocab, dtype)
+    if traced is None:
+        build, vocab = _build(model, seq_len, hf_overrides or {})
+        traced = trace_training_step(build, batch, seq_len, vocab, dtype)
     trace_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     pair = traced.pair
-    fill_tuple_vals(pair.forward)
-    fill_tuple_vals(pair.backward)
-    reorder.hoist_frees(pair.forward)
-    reorder.hoist_frees(pair.backward)
+    if not traced.prepared:
+        fill_tuple_vals(pair.forward)
+        fill_tuple_vals(pair.backward)
+        reorder.hoist_frees(pair.forward)
+        reorder.hoist_frees(pair.backward)
+        traced.prepared = True
     live = liveness.analyze(pair, assume_fusion=True)
     costs = cost_model.estimate(pair, live, device)
     full_state = _OPTIMIZER_STATES[optimizer] * traced.param_bytes
