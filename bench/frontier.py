@@ -28,8 +28,9 @@ the budget; checkpointing: the nodes of each block tagged with the policy, as Dy
 copy nothing). Peaks include AdamW's state (two tensors per parameter), as ``plan`` counts it.
 
 ``python -m bench.frontier [--cpu] [--gpu] [--rounds 6]`` writes ``bench/results/recompute_frontier.json``
-(device, torch, command, commit) and one PNG per model and device; the targets of issue 14 are
-judged in the JSON's ``targets``.
+(both parts; ``recompute_frontier_cpu.json`` / ``recompute_frontier_gpu_predicted.json`` for one)
+with device, torch, command and commit, and one PNG per model and device; issue 14's targets are
+judged in the JSON's ``cpu_targets`` and ``gpu_targets``.
 """
 
 from __future__ import annotations
@@ -573,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
                         plot_cpu(results[-1])
         payload["cpu_measured"] = results
         payload["cpu_targets"] = cpu_targets(results)
-    path = write_result("recompute_frontier", payload, torch.device("cpu"))
+    name = "recompute_frontier" + ("" if args.cpu and args.gpu else "_cpu" if args.cpu else "_gpu_predicted")
+    path = write_result(name, payload, torch.device("cpu"))
     print(f"written {path}")
     for part in ("gpu_targets", "cpu_targets"):
         if part in payload:
