@@ -333,3 +333,58 @@ def test_rewrite_is_bit_identical_with_random_ops_replayed():
     assert len(replay) == 1 and replay[0].args[0].name == "native_dropout_rng_state"
     states = [n for n in fw.graph.nodes if n.target is operator.getitem and n.name == "native_dropout_rng_state"]
     assert len(states) == 1 and states[0] in rewritten.fw_outputs()
+
+
+def test_liveness_of_the_recomputed_graphs(mlp):
+    """After the rewrite the forward frees the buffer after its last forward reader (it is no
+    longer saved) and the backward holds a fresh temporary from the recomputation to the last
+    reader; the verifier accepts the rewritten pair and re-measures the same peak."""
+    from offload_compiler.passes import verify
+
+    live, costs = analyze(mlp, SLOW_LINK)
+    analysis = recompute_chains.analyze(mlp, live, costs)
+    chain = next(c for c in analysis.chains if [live.saved[i].fw_node for i in c.saved] == ["t_2"])
+    copy = insert_recompute.copy_pair(mlp)
+    insert_recompute.apply(copy, live, [chain])
+    after = liveness.analyze(copy)
+    F_ = after.num_fw_steps
+    assert "t_2" not in {s.fw_node for s in after.saved}
+    fw_buf = next(b for b in after.buffers if "forward:gelu_1" in b.nodes)
+    assert fw_buf.kind is liveness.BufferKind.TEMPORARY and fw_buf.last_step < F_
+    marked = [n.name for n in copy.backward.graph.nodes if insert_recompute.RECOMPUTE_KEY in n.meta]
+    assert len(marked) == len(chain.nodes)
+    bw_buf = next(b for b in after.buffers if f"backward:{marked[0]}" in b.nodes)
+    assert bw_buf.kind is liveness.BufferKind.TEMPORARY and bw_buf.def_step >= F_
+    assert bw_buf.size_bytes == chain.size_bytes
+    # The backward's readers of the old saved view now read the recomputed one.
+    reader_steps = [s for s in bw_buf.use_steps if s > bw_buf.def_step]
+    assert reader_steps and max(reader_steps) == bw_buf.last_step
+    rewritten = GraphPair(
+        fx.GraphModule(mlp.forward, copy.forward.graph),
+        fx.GraphModule(mlp.backward, copy.backward.graph),
+        mlp.num_fwd_outputs,
+        mlp.static_input_indices,
+    )
+    assert verify.verify(rewritten, None, expected_peak_bytes=after.peak_bytes) == after.peak_bytes
+
+
+def test_verifier_refuses_a_recomputed_op_that_may_not_be(mlp):
+    from offload_compiler.passes import verify
+
+    live, costs = analyze(mlp, SLOW_LINK)
+    analysis = recompute_chains.analyze(mlp, live, costs)
+    chain = next(c for c in analysis.chains if [live.saved[i].fw_node for i in c.saved] == ["t_2"])
+    copy = insert_recompute.copy_pair(mlp)
+    insert_recompute.apply(copy, live, [chain])
+    bw = fx.GraphModule(mlp.backward, copy.backward.graph)
+    gelu = next(
+        n
+        for n in bw.graph.nodes
+        if insert_recompute.RECOMPUTE_KEY in n.meta and n.target is torch.ops.aten.gelu.default
+    )
+    gelu.target = torch.ops.aten.bernoulli.default  # a random op, not replayed
+    gelu.args = gelu.args[:1]
+    bw.recompile()
+    pair = GraphPair(fx.GraphModule(mlp.forward, copy.forward.graph), bw, mlp.num_fwd_outputs, mlp.static_input_indices)
+    with pytest.raises(verify.VerificationError, match="may not be recomputed.*random"):
+        verify.verify(pair, None)
