@@ -9,6 +9,21 @@ Practical host-link bandwidth: a pinned ``cudaMemcpyAsync`` over PCIe reaches ab
 link's raw rate (Gen3 x16 ~12 GB/s, Gen4 x16 ~25 GB/s, Gen5 x16 ~50 GB/s; NVIDIA's
 ``bandwidthTest`` sample, widely reproduced). Pageable copies go through a staging buffer and
 reach roughly half of that; trinity's pool is pinned on CUDA, so plans use the pinned figure.
+
+Host figures (the CPU the device is attached to; with ``offload="all"`` it runs the optimizer
+update): ``host_bytes_per_s``, the sustained host-memory bandwidth (a STREAM triad, J. McCalpin,
+"STREAM: Sustainable Memory Bandwidth in High Performance Computers", counting 12 bytes per
+element), and the update's seconds per parameter. An AdamW update reads master, gradient, m and v
+and writes master, m and v: :data:`ADAMW_BYTES_PER_PARAM` = 28 bytes per fp32 parameter (7 bytes
+per byte of parameter), so its floor on a host is ``28 / host_bytes_per_s`` seconds per parameter.
+Unless measured (``python -m offload_compiler calibrate``), the update times are derived from the
+bandwidth: torch's fused CPU kernel at :data:`FUSED_FRACTION_OF_FLOOR` of the floor, its
+per-parameter for-loop (``CPUOptimizer``'s default, bit-identical to ``torch.optim``'s default on
+CPU tensors) :data:`LOOP_SLOWDOWN` times slower (both measured on the development machine,
+``bench/results/cpu_update.json``). The GPU entries assume :data:`NOMINAL_HOST`: a 16-core host
+sustaining 60 GB/s (a two-channel DDR5-5600 workstation's STREAM triad is 60-75 GB/s), a stated
+assumption, not a measurement; pass ``host_bytes_per_s`` (option or ``plan --host-bandwidth``) for
+yours.
 """
 
 from __future__ import annotations
@@ -19,7 +34,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["DeviceSpec", "KNOWN_DEVICES", "PCIE_PRACTICAL_BYTES_PER_S", "lookup_device", "detect_device_spec"]
+__all__ = [
+    "DeviceSpec",
+    "KNOWN_DEVICES",
+    "PCIE_PRACTICAL_BYTES_PER_S",
+    "ADAMW_BYTES_PER_PARAM",
+    "NOMINAL_HOST",
+    "lookup_device",
+    "detect_device_spec",
+]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +53,16 @@ GiB = 2**30
 # Practical pinned bytes/s per direction for an x16 link, by PCIe generation (see module doc).
 # Raw rates: Gen3 15.75 GB/s, Gen4 31.5 GB/s, Gen5 63 GB/s per direction (PCI-SIG).
 PCIE_PRACTICAL_BYTES_PER_S = {3: 12 * GB, 4: 25 * GB, 5: 50 * GB}
+
+# AdamW's memory traffic per fp32 parameter: reads master, grad, m, v; writes master, m, v.
+ADAMW_BYTES_PER_PARAM = 28
+# Measured on the development machine (bench/results/cpu_update.json, 200M fp32 parameters):
+# torch's fused CPU AdamW reaches this fraction of the bandwidth floor, and its for-loop
+# (torch's default on CPU tensors, run by CPUOptimizer in cache-sized pieces) is this much slower.
+FUSED_FRACTION_OF_FLOOR = 0.9
+LOOP_SLOWDOWN = 3.0
+# The host assumed for the GPU entries (see the module docstring): cores, bytes/s.
+NOMINAL_HOST = {"cores": 16, "host_bytes_per_s": 60 * GB}
 
 
 @dataclass(frozen=True)
@@ -52,6 +85,14 @@ class DeviceSpec:
             copies (M. Harris, "How to Optimize Data Transfers in CUDA C/C++", NVIDIA blog, 2012);
             1.0 where host and device are the same memory.
         source: where the figures come from.
+        host_bytes_per_s: sustained bandwidth of the host memory (STREAM triad), bytes/s.
+        host_update_seconds_per_param: seconds per fp32 parameter of the host AdamW update with
+            torch's fused CPU kernel on all host threads; 0 derives it from ``host_bytes_per_s``
+            (see the module docstring).
+        host_update_loop_seconds_per_param: the same with torch's for-loop implementation
+            (``CPUOptimizer``'s default); 0 derives it.
+        host_is_device: the device is the host CPU itself (the ``cpu`` entry): the host update
+            runs on the cores that run the compute, so it cannot overlap it.
     """
 
     name: str
@@ -67,6 +108,27 @@ class DeviceSpec:
     launch_overhead_s: float = 5e-6
     pageable_factor: float = 0.5
     source: str = ""
+    host_bytes_per_s: float = NOMINAL_HOST["host_bytes_per_s"]
+    host_update_seconds_per_param: float = 0.0
+    host_update_loop_seconds_per_param: float = 0.0
+    host_is_device: bool = False
+
+    def host_update_s_per_param(self, implementation: str = "fused") -> float:
+        """Seconds per fp32 parameter of the host AdamW update: ``"fused"`` (torch's fused CPU
+        kernel) or ``"loop"`` (torch's for-loop); measured when calibrated, else derived from
+        ``host_bytes_per_s`` (module docstring).
+
+        Raises:
+            ValueError: for another ``implementation``.
+        """
+        fused = self.host_update_seconds_per_param or (
+            ADAMW_BYTES_PER_PARAM / self.host_bytes_per_s / FUSED_FRACTION_OF_FLOOR
+        )
+        if implementation == "fused":
+            return fused
+        if implementation == "loop":
+            return self.host_update_loop_seconds_per_param or fused * LOOP_SLOWDOWN
+        raise ValueError(f"implementation must be 'fused' or 'loop', got {implementation!r}")
 
     def transfer_bytes_per_s(self, direction: str, pinned: bool = True) -> float:
         """Copy bandwidth (bytes/s) host-to-device (``"h2d"``) or device-to-host (``"d2h"``)."""
@@ -206,6 +268,8 @@ KNOWN_DEVICES: dict[str, DeviceSpec] = {
         5 * GB,
         launch_overhead_s=2e-6,
         source="nominal figures for a small CPU; not measured",
+        host_bytes_per_s=10 * GB,
+        host_is_device=True,
     ),
 }
 

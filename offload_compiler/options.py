@@ -206,6 +206,14 @@ class TrinityOptions:
         hbm_bytes_per_s: override of the device's memory bandwidth (bytes/s).
         h2d_bytes_per_s: override of host-to-device copy bandwidth (bytes/s).
         d2h_bytes_per_s: override of device-to-host copy bandwidth (bytes/s).
+        host_bytes_per_s: override of the host's sustained memory bandwidth (bytes/s; a STREAM
+            triad), from which the host optimizer update's time is derived (``offload="all"``).
+        optimizer_on_device: with ``offload="all"``, the share of the parameters (by bytes, in
+            the order the forward uses them) whose optimizer state, gradient and parameter stay on
+            the device and are updated there (ZeRO-Offload++'s Twin-Flow): a number in 0.0..1.0
+            (0.0, the default: every parameter on the host), or ``"auto"``: the share the cost
+            model predicts the shortest step for within the memory budget, balancing the host
+            update against the backward (``passes/optimizer_split.py``).
         device_memory_bytes: override of the device's memory size (bytes).
         inductor_config: extra ``torch._inductor.config`` patches for ``inner="inductor"``.
         fault_injection: a seed turns on the runtime's fault injection (for tests, on a CPU:
@@ -249,6 +257,8 @@ class TrinityOptions:
     hbm_bytes_per_s: float | None = None
     h2d_bytes_per_s: float | None = None
     d2h_bytes_per_s: float | None = None
+    host_bytes_per_s: float | None = None
+    optimizer_on_device: float | Literal["auto"] = 0.0
     device_memory_bytes: int | None = None
     inductor_config: tuple[tuple[str, Any], ...] = ()
     fault_injection: int | None = None
@@ -306,6 +316,11 @@ class TrinityOptions:
                 f"trinity option 'strategy': 'recompute' is not combined with offload={opts.offload!r} yet "
                 "(with parameter offload saved activations are kept or offloaded); use strategy='auto' or "
                 "'offload', or offload='activations'"
+            )
+        if opts.optimizer_on_device != 0.0 and opts.offload != "all":
+            raise ValueError(
+                f"trinity option 'optimizer_on_device': {opts.optimizer_on_device!r} needs offload='all' (the "
+                f"optimizer state is on the device anyway otherwise); got offload={opts.offload!r}"
             )
         if opts.offload != "activations" and opts.inner != "eager":
             raise ValueError(
@@ -420,7 +435,19 @@ def _validate(name: str, value: Any, where: str) -> Any:
         if size == 0:
             raise bad("a positive size")
         return size
-    if name in ("peak_flops", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s"):
+    if name == "optimizer_on_device":
+        if value == "auto":
+            return "auto"
+        try:
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError
+            share = float(value)
+        except (ValueError, OverflowError):
+            raise bad("'auto' or a number from 0.0 to 1.0 (the share of the parameter bytes)") from None
+        if not 0.0 <= share <= 1.0:
+            raise bad("'auto' or a number from 0.0 to 1.0 (the share of the parameter bytes)")
+        return share
+    if name in ("peak_flops", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_bytes_per_s"):
         if value is None:
             return None
         try:

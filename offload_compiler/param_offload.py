@@ -26,7 +26,7 @@ from .graph_pair import GraphPair
 from .options import TrinityOptions, format_bytes
 from .passes import cost_model, liveness, param_residency
 from .runtime import param_ops as _param_ops  # noqa: F401  (registers trinity::param_*)
-from .runtime.model_state import ParamSlot, ensure_slot, install_module_hooks, slot_of
+from .runtime.model_state import ON_DEVICE_ATTR, ParamSlot, ensure_slot, install_module_hooks, slot_of
 from .runtime.pool import HostPool
 
 __all__ = ["HostMemoryError", "make_slots", "owning_roots", "rewrite_inference"]
@@ -117,7 +117,12 @@ def make_slots(
     """
     mode = options.offload
     keep_resident = mode == "activations+params"
-    params = {i: x for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter)}
+    # A parameter the plan keeps on the device (optimizer_on_device) stays a plain parameter.
+    params = {
+        i: x
+        for i, x in enumerate(example_inputs)
+        if isinstance(x, torch.nn.Parameter) and not getattr(x, ON_DEVICE_ATTR, False)
+    }
     need = 0
     seen = set()
     for p in params.values():

@@ -96,7 +96,11 @@ def plan_pair(
     :func:`~.passes.insert_recompute.apply` (on ``joint.source_liveness``) before the transfers.
 
     ``model_state`` (``offload`` other than ``"activations"``): forward input position ->
-    ``(slot id, host bytes)`` of the parameters to offload. Their residency is planned first
+    ``(slot id, host bytes)`` of the parameters to offload (and, under the key ``"optimizer"``,
+    the ``CPUOptimizer`` owning them, if any: its update is modelled from it). With ``"all"`` the
+    optimizer split is chosen first (:mod:`.passes.optimizer_split`, option
+    ``optimizer_on_device``; left in ``model_state["split"]``, the update model in
+    ``model_state["update"]``). Their residency is planned first
     (:mod:`.passes.param_residency`); the activation planner then sees device memory with that
     residency (:func:`~.passes.param_residency.activation_view`); if the working windows make the
     budget unreachable, both are planned again without windows. The residency plan is left in
@@ -128,6 +132,26 @@ def plan_pair(
         t0 = time.perf_counter()
         chosen = {i: v for i, v in model_state.items() if isinstance(i, int)}
         model_state["liveness"] = real = live
+        if options.offload == "all":
+            # The optimizer update is part of the step; optimizer_on_device may keep a share of it
+            # (parameters, gradients, optimizer state) on the device (passes/optimizer_split.py).
+            from .passes import optimizer_split
+
+            owner = model_state.get("optimizer")
+            update = (
+                cost_model.host_update_from_optimizer(spec, owner)
+                if owner is not None
+                else cost_model.host_update_model(spec)
+            )
+            model_state["update"] = update
+            split, residency, live, the_plan = optimizer_split.plan(
+                pair, real, costs, chosen, budget, options.min_offload_bytes, update, options.optimizer_on_device
+            )
+            model_state["split"] = split
+            model_state["plan"] = residency
+            seconds["param_residency"] = time.perf_counter() - t0
+            seconds["plan_window"] = 0.0
+            return live, costs, budget, the_plan, seconds, _offload_only(live, costs, the_plan)
         for use_windows in (True, False):
             residency = param_residency.plan(
                 pair, real, costs, chosen, options.offload, real.live_bytes(), budget, use_windows=use_windows
@@ -139,10 +163,7 @@ def plan_pair(
         model_state["plan"] = residency
         seconds["param_residency"] = time.perf_counter() - t0
         seconds["plan_window"] = 0.0
-        joint = plan_recompute.JointPlan(
-            plan_recompute.RecomputePlan("offload", "offload only"), (), live, live, costs, the_plan
-        )
-        return live, costs, budget, the_plan, seconds, joint
+        return live, costs, budget, the_plan, seconds, _offload_only(live, costs, the_plan)
     joint = plan_recompute.plan_joint(
         pair,
         live,
@@ -155,6 +176,13 @@ def plan_pair(
     )
     seconds["plan_window"] = time.perf_counter() - t0  # the joint planner, plan_window included
     return joint.liveness, joint.costs, budget, joint.plan, seconds, joint
+
+
+def _offload_only(live: liveness.Liveness, costs: cost_model.Costs, the_plan: plan_window.Plan):
+    """The joint planner's answer where it does not run (parameter offload: keep or offload)."""
+    return plan_recompute.JointPlan(
+        plan_recompute.RecomputePlan("offload", "offload only"), (), live, live, costs, the_plan
+    )
 
 
 def _liveness_json(live: liveness.Liveness, costs: cost_model.Costs) -> dict[str, Any]:
@@ -247,6 +275,25 @@ class CompileSession:
             )  # fmt: skip
         return plans
 
+    def _keep_on_device(self, split) -> None:
+        """The optimizer split's parameters stay on the device: their slots (host master copy and
+        gradient) are dropped and the parameters marked (``ON_DEVICE_ATTR``), so the graphs leave
+        them resident with their gradients in ``.grad``, the ``CPUOptimizer`` updates them on the
+        device and later compiles do not offload them."""
+        from .runtime.model_state import ON_DEVICE_ATTR, SLOT_ATTR
+
+        for pos in split.positions:
+            slot = self.param_slots.pop(pos, None)
+            if slot is None:
+                continue
+            p = slot.param_ref()
+            if p is not None and getattr(p, SLOT_ATTR, None) is slot:
+                delattr(p, SLOT_ATTR)
+                setattr(p, ON_DEVICE_ATTR, True)
+            for i, other in list(self.param_slots.items()):
+                if other is slot:  # the same parameter at several inputs
+                    del self.param_slots[i]
+
     def run(
         self, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, static_input_indices
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -269,7 +316,10 @@ class CompileSession:
         if self.param_slots:
             static = set(pair.static_input_indices)
             model_state = {i: (s.id, s.host_bytes) for i, s in self.param_slots.items() if i in static}
+            model_state["optimizer"] = next((s.owner() for s in self.param_slots.values() if s.owner()), None)
         live, costs, budget, the_plan, seconds, joint = plan_pair(pair, opts, model_state=model_state)
+        if model_state and model_state.get("split") is not None:
+            self._keep_on_device(model_state["split"])
         seconds = {"reorder": reorder_seconds, **seconds}
         if joint.chains:
             t0 = time.perf_counter()
@@ -366,8 +416,13 @@ class CompileSession:
             self.residency_plans.append(residency)
             # The step with the parameter copies too, issued and waited for where the graphs do.
             act_tasks = plan_window.copy_tasks(the_plan.evictions, costs)
-            param_timeline = simulate.simulate(
-                costs.step_seconds, act_tasks + param_residency.copy_tasks(residency, costs, len(act_tasks))
+            split = model_state.get("split")
+            param_timeline = param_residency.step_timeline(
+                residency,
+                costs,
+                act_tasks,
+                model_state.get("update"),
+                split.device_param_bytes if split is not None else 0,
             )
             seconds["param_residency"] += time.perf_counter() - t0
             log.info("%s", residency.summary())
@@ -423,6 +478,21 @@ class CompileSession:
                     "window_seconds": residency.window_seconds,
                     "predicted_step_seconds": param_timeline.step_seconds,
                     "exposed_transfer_seconds": param_timeline.exposed_seconds,
+                    "update_seconds": param_timeline.update_seconds,
+                    "exposed_update_seconds": param_timeline.exposed_update_seconds,
+                    "update": model_state["update"].description if model_state.get("update") else None,
+                    "optimizer_on_device": (
+                        {
+                            "request": model_state["split"].request,
+                            "num_params": len(model_state["split"].positions),
+                            "param_bytes": model_state["split"].device_param_bytes,
+                            "state_bytes": model_state["split"].device_state_bytes,
+                            "share": model_state["split"].share,
+                            "candidates": model_state["split"].candidates,
+                        }
+                        if model_state.get("split") is not None
+                        else None
+                    ),
                 }
                 if residency is not None
                 else None

@@ -9,8 +9,12 @@ memory and counts in every peak, except with ``--offload all``. ``--offload`` pl
 offloading as the backend's option does: with ``activations+params`` or ``all`` the parameters
 are fetched around their uses (:mod:`.passes.param_residency`), with ``all`` gradients and
 optimizer state live in host memory; the host bytes are reported and the parameter copies are
-part of the simulated step. ``--strategy`` chooses how saved activations meet a budget, as the
-backend's option does: ``auto`` (keep, offload or recompute, the joint planner of
+part of the simulated step. With ``all`` the host optimizer update is part of it too (the same
+:func:`~.passes.param_residency.step_timeline` and :mod:`.passes.optimizer_split` as the backend:
+``--cpu-optimizer``, ``--overlap`` and ``--optimizer-on-device`` as ``CPUOptimizer`` and the
+option say; ``--host-bandwidth`` states the host's memory bandwidth), and the host-update seconds
+per step are printed. ``--strategy`` chooses how saved activations meet a budget, as the backend's
+option does: ``auto`` (keep, offload or recompute, the joint planner of
 :mod:`.passes.plan_recompute`), ``offload`` or ``recompute``; the ``recompute`` column shows what is
 recomputed in the backward and its predicted seconds. It draws the memory/time frontier over the
 budgets as a PNG and names the smallest budget whose predicted step is within 5% of the step
@@ -32,7 +36,7 @@ import torch
 from .devices import KNOWN_DEVICES, DeviceSpec, lookup_device
 from .graph_pair import fill_tuple_vals
 from .options import MemoryBudget, format_bytes, parse_size
-from .passes import cost_model, liveness, param_residency, plan_recompute, plan_window, reorder
+from .passes import cost_model, liveness, optimizer_split, param_residency, plan_recompute, plan_window, reorder
 from .passes.simulate import simulate
 
 __all__ = ["PlanRow", "plan_model", "main"]
@@ -62,6 +66,9 @@ class PlanRow:
     evicted_bytes: int
     num_evicted: int
     fits_device: bool
+    update_seconds: float = 0.0
+    exposed_update_seconds: float = 0.0
+    device_share: float = 0.0
     recomputed_bytes: int = 0
     num_recomputed: int = 0
     recompute_seconds: float = 0.0
@@ -84,6 +91,7 @@ class PlanResult:
     offload: str = "activations"
     host_model_state_bytes: int = 0
     strategy: str = "offload"
+    update: str = ""
 
     def within_5_percent(self) -> PlanRow | None:
         """The feasible row with the smallest budget whose step is within 5% of no offloading."""
@@ -136,16 +144,22 @@ def plan_model(
     min_offload_bytes: int = 1 << 20,
     hf_overrides: dict | None = None,
     offload: str = "activations",
+    cpu_optimizer: str = "exact",
+    overlap: str = "forward",
+    optimizer_on_device: float | str = 0.0,
     strategy: str = "auto",
     traced=None,
 ) -> PlanResult:
     """Plan ``model``'s training step for each budget on ``device`` (see the module docstring).
 
     Budgets are sizes (``"24GiB"``), percentages of the peak without offloading (``"50%"``) or
-    ``"device"`` (the device's memory). ``strategy``: ``"auto"``, ``"offload"`` or ``"recompute"``
-    (see the module docstring); with parameter offload saved activations are kept or offloaded.
-    ``traced``: a :class:`~.trace.TracedStep` of this model to plan instead of tracing it again
-    (its graphs are reordered in place, as the backend does, once).
+    ``"device"`` (the device's memory). With ``offload="all"`` the optimizer update of
+    ``optimizer`` is simulated as ``CPUOptimizer(implementation=cpu_optimizer, overlap=overlap)``
+    runs it on ``device``'s host figures, with the ``optimizer_on_device`` share on the device.
+    ``strategy``: ``"auto"``, ``"offload"`` or ``"recompute"`` (see the module docstring); with
+    parameter offload saved activations are kept or offloaded. ``traced``: a
+    :class:`~.trace.TracedStep` of this model to plan instead of tracing it again (its graphs are
+    reordered in place, as the backend does, once).
 
     Raises:
         ValueError: for an unknown model, optimizer, strategy or a malformed budget, naming it;
@@ -163,6 +177,8 @@ def plan_model(
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(plan_recompute.STRATEGIES)}")
     if strategy == "recompute" and offload != "activations":
         raise ValueError(f"--strategy recompute is not combined with --offload {offload} yet")
+    if cpu_optimizer not in ("exact", "fastest"):
+        raise ValueError(f"cpu_optimizer {cpu_optimizer!r}: expected 'exact' or 'fastest'")
     parsed = []
     for b in budgets:
         if b == "device":
@@ -199,16 +215,27 @@ def plan_model(
         chosen = {i: (0, 0) for i in pair.static_input_indices}
         host = traced.param_bytes * (2 if offload == "all" else 1) + (full_state if offload == "all" else 0)
 
-    def plan_at(graph_budget):
+    update = cost_model.host_update_model(
+        device, optimizer, implementation="fused" if cpu_optimizer == "fastest" else "loop", overlap=overlap
+    )
+
+    def plan_at(graph_budget, share=optimizer_on_device):
         """The activation plan (on the residency view with parameter offload), its predicted
-        step and exposed copy seconds, and the joint planner's choice (``None`` with parameter
-        offload)."""
+        step and exposed copy seconds, with ``"all"`` the step's timeline and split, and the
+        joint planner's choice (``None`` with parameter offload)."""
         if not chosen:
             joint = plan_recompute.plan_joint(
                 pair, live, costs, graph_budget, strategy, min_offload_bytes, rng_replay=False, assume_fusion=True
             )
             p = joint.plan
-            return p, p.predicted_step_seconds, p.exposed_transfer_seconds, joint.recompute
+            return p, p.predicted_step_seconds, p.exposed_transfer_seconds, None, joint.recompute
+        if offload == "all":
+            split, res, _view, p = optimizer_split.plan(
+                pair, live, costs, chosen, graph_budget, min_offload_bytes, update, share
+            )
+            tasks = plan_window.copy_tasks(p.evictions, costs)
+            timeline = param_residency.step_timeline(res, costs, tasks, update, split.device_param_bytes)
+            return p, timeline.step_seconds, timeline.exposed_seconds, (timeline, split), None
         for use_windows in (True, False):
             res = param_residency.plan(
                 pair, live, costs, chosen, offload, live.live_bytes(), graph_budget, use_windows=use_windows
@@ -221,7 +248,7 @@ def plan_model(
         return p, timeline.step_seconds, timeline.exposed_seconds, None
 
     # The lowest peak any plan reaches: every candidate evicted as tightly as possible.
-    lowest = plan_at(0)[0].lowest_reachable_peak_bytes + state
+    lowest = plan_at(0, 0.0)[0].lowest_reachable_peak_bytes + state
     rows = []
     for text, budget in parsed:
         total = int(budget.value * unplanned) if budget.kind == "fraction" else int(budget.value)
@@ -229,8 +256,9 @@ def plan_model(
         if total < lowest:
             rows.append(PlanRow(text, total, lowest, lowest, False, float("nan"), float("nan"), 0, 0, False))
             continue
-        p, step_s, exposed_s, rp = plan_at(graph_budget)
-        peak = p.peak_bytes_planned + state
+        p, step_s, exposed_s, extra, rp = plan_at(graph_budget)
+        timeline, split = extra if extra is not None else (None, None)
+        peak = p.peak_bytes_planned + state + (split.device_state_bytes if split is not None else 0)
         rows.append(
             PlanRow(
                 budget=text,
@@ -243,6 +271,9 @@ def plan_model(
                 evicted_bytes=p.evicted_bytes,
                 num_evicted=len(p.evictions),
                 fits_device=peak <= device.memory_bytes,
+                update_seconds=timeline.update_seconds if timeline is not None else 0.0,
+                exposed_update_seconds=timeline.exposed_update_seconds if timeline is not None else 0.0,
+                device_share=split.share if split is not None else 0.0,
                 recomputed_bytes=rp.recomputed_bytes if rp else 0,
                 num_recomputed=len(rp.recomputes) if rp else 0,
                 recompute_seconds=rp.recompute_seconds if rp else 0.0,
@@ -263,6 +294,7 @@ def plan_model(
         plan_seconds=time.perf_counter() - t0,
         offload=offload,
         host_model_state_bytes=host,
+        update=update.description if offload == "all" else "",
         strategy=strategy if not chosen else "offload",
     )
 
@@ -341,6 +373,18 @@ def main(argv: list[str] | None = None) -> int:
         help="activations, activations+params or all (parameters, gradients, optimizer state on the host)",
     )
     parser.add_argument(
+        "--host-bandwidth",
+        default=None,
+        help="the host's sustained memory bandwidth in bytes/s (e.g. 60e9; default the device table's host)",
+    )
+    parser.add_argument(
+        "--cpu-optimizer", default="exact", help="with --offload all: CPUOptimizer's implementation, exact or fastest"
+    )
+    parser.add_argument("--overlap", default="forward", help="with --offload all: CPUOptimizer's overlap")
+    parser.add_argument(
+        "--optimizer-on-device", default="0", help="with --offload all: share on the device, 0.0..1.0 or auto"
+    )
+    parser.add_argument(
         "--strategy",
         default="auto",
         choices=plan_recompute.STRATEGIES,
@@ -355,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(120, Console().width))
+    console = Console(width=max(160, Console().width))
     try:
         if args.dtype not in _DTYPES:
             raise ValueError(f"--dtype {args.dtype!r} is not one of {', '.join(_DTYPES)}")
@@ -364,6 +408,30 @@ def main(argv: list[str] | None = None) -> int:
             from dataclasses import replace
 
             spec = replace(spec, memory_bytes=parse_size("--device-memory", args.device_memory))
+        if args.host_bandwidth:
+            from dataclasses import replace
+
+            try:
+                bandwidth = float(args.host_bandwidth)
+            except ValueError:
+                bandwidth = -1.0
+            if not bandwidth > 0:
+                raise ValueError(f"--host-bandwidth {args.host_bandwidth!r} is not a positive number of bytes/s")
+            spec = replace(
+                spec,
+                host_bytes_per_s=bandwidth,
+                host_update_seconds_per_param=0.0,
+                host_update_loop_seconds_per_param=0.0,
+            )
+        if args.cpu_optimizer not in ("exact", "fastest"):
+            raise ValueError(f"--cpu-optimizer {args.cpu_optimizer!r} is not exact or fastest")
+        if args.overlap not in ("forward", "backward"):
+            raise ValueError(f"--overlap {args.overlap!r} is not forward or backward")
+        from .options import TrinityOptions
+
+        share = TrinityOptions.from_user(
+            {"offload": "all", "inner": "eager", "optimizer_on_device": args.optimizer_on_device}, env={}
+        ).optimizer_on_device
         overrides = {}
         for item in args.hf:
             key, sep, value = item.partition("=")
@@ -381,7 +449,10 @@ def main(argv: list[str] | None = None) -> int:
             parse_size("--min-offload-bytes", args.min_offload_bytes),
             overrides,
             args.offload,
-            args.strategy,
+            args.cpu_optimizer,
+            args.overlap,
+            share,
+            strategy=args.strategy,
         )
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -404,17 +475,14 @@ def main(argv: list[str] | None = None) -> int:
             f"offload={result.offload}: model state in host memory {format_bytes(result.host_model_state_bytes)} "
             "(parameter master copies" + (", gradients, optimizer state" if result.offload == "all" else "") + ")"
         )
+    if result.offload == "all":
+        console.print(f"host optimizer update: {result.update}")
     table = Table()
-    for col in (
-        "budget",
-        "budget bytes",
-        "planned peak",
-        "fits device",
-        "step (pred.)",
-        "exposed copy",
-        "evicted",
-        "recompute",
-    ):
+    cols = ["budget", "budget bytes", "planned peak", "fits device", "step (pred.)", "exposed copy", "evicted"]
+    cols.append("recompute")
+    if result.offload == "all":
+        cols += ["host update", "exposed update", "on device"]
+    for col in cols:
         table.add_column(col, justify="right", no_wrap=True)
     for r in result.rows:
         if not r.feasible:
@@ -435,6 +503,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{format_bytes(r.recomputed_bytes)} ({r.num_recomputed}), {r.recompute_seconds * 1e3:.1f} ms"
                 if r.feasible and r.num_recomputed
                 else ("0 B" if r.feasible else "")
+            ),
+            *(
+                (
+                    f"{r.update_seconds * 1e3:.1f} ms" if r.feasible else "",
+                    f"{r.exposed_update_seconds * 1e3:.1f} ms" if r.feasible else "",
+                    f"{100 * r.device_share:.0f}%" if r.feasible else "",
+                )
+                if result.offload == "all"
+                else ()
             ),
         )
     console.print(table)

@@ -52,7 +52,11 @@ class TrinityReport:
             ``window_seconds``), and the simulated step with the parameter copies as well as the
             activation copies, each issued and waited for where the graphs do
             (``predicted_step_seconds``, ``exposed_transfer_seconds``; the top-level figures
-            count the activation copies only); else ``None``.
+            count the activation copies only); with ``"all"`` that step includes the optimizer
+            update (steady state of a training loop: ``update_seconds`` per step,
+            ``exposed_update_seconds`` of it waited for, ``update`` what was assumed) and
+            ``optimizer_on_device`` the share the plan keeps on the device (parameters, bytes,
+            state bytes, the shares tried); else ``None``.
         not_offloaded: saved activations kept on the device because trinity cannot move them
             (``(forward node, reason)``: a tensor subclass, a collective's buffer, ...).
         streams: with ``num_streams`` > 1 and ``inner="eager"``: per graph, ``(graph, streams
@@ -158,6 +162,21 @@ class TrinityReport:
                 lines.append(
                     f"             with parameter copies: {po['predicted_step_seconds'] * 1e3:.3f} ms per step, "
                     f"{po['exposed_transfer_seconds'] * 1e3:.3f} ms of it exposed copies"
+                    + (
+                        f", {po['exposed_update_seconds'] * 1e3:.3f} ms exposed optimizer update"
+                        if po.get("update_seconds")
+                        else ""
+                    )
+                )
+            if po.get("update_seconds"):
+                lines.append(f"  update     {po['update_seconds'] * 1e3:.3f} ms per step ({po['update']})")
+            split = po.get("optimizer_on_device")
+            if split and split["num_params"]:
+                lines.append(
+                    f"  on device  {split['num_params']} parameters ({100 * split['share']:.0f}% of the bytes, "
+                    f"{format_bytes(split['param_bytes'])}) with their optimizer state "
+                    f"({format_bytes(split['state_bytes'])}), updated on the device "
+                    f"(optimizer_on_device={split['request']!r})"
                 )
         if self.streams:
             parts = [

@@ -38,6 +38,8 @@ EXPECTED_ALLOWED = sorted(
         "hbm_bytes_per_s",
         "h2d_bytes_per_s",
         "d2h_bytes_per_s",
+        "host_bytes_per_s",
+        "optimizer_on_device",
         "device_memory_bytes",
         "inductor_config",
     ]
@@ -79,6 +81,8 @@ def test_defaults():
     assert opts.hbm_bytes_per_s is None
     assert opts.h2d_bytes_per_s is None
     assert opts.d2h_bytes_per_s is None
+    assert opts.host_bytes_per_s is None
+    assert opts.optimizer_on_device == 0.0
     assert opts.device_memory_bytes is None
     assert opts.inductor_config == ()
     assert build(None) == opts
@@ -332,6 +336,8 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "fault_injection": 7,
         "offload": "all",
         "num_streams": 3,
+        "host_bytes_per_s": 6e10,
+        "optimizer_on_device": "auto",
     }
     opts = build(options)
     assert opts.to_dict() == {
@@ -355,6 +361,8 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "fault_injection": 7,
         "offload": "all",
         "num_streams": 3,
+        "host_bytes_per_s": 6e10,
+        "optimizer_on_device": "auto",
     }
     assert_round_trips(opts)
 
@@ -666,3 +674,24 @@ def test_parameter_offload_with_inductor_is_refused_up_front():
     with pytest.raises(ValueError, match=r"'offload': 'all' needs inner='eager'.*inner='inductor'"):
         build({"offload": "all"})  # inner defaults to "inductor"
     assert build({"offload": "all", "inner": "eager"}).offload == "all"
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), (0.25, 0.25), ("0.5", 0.5), (1, 1.0), (0.0, 0.0)])
+def test_optimizer_on_device_values(value, expected):
+    opts = build({"offload": "all", "inner": "eager", "optimizer_on_device": value})
+    assert opts.optimizer_on_device == expected
+    assert_round_trips(opts)
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, "half", True, None, [0.5]])
+def test_optimizer_on_device_bad_values_name_the_allowed_ones(value):
+    with pytest.raises(ValueError, match=r"'optimizer_on_device': got .*expected 'auto' or a number from 0.0 to 1.0"):
+        build({"offload": "all", "inner": "eager", "optimizer_on_device": value})
+
+
+def test_optimizer_on_device_needs_offload_all():
+    with pytest.raises(ValueError, match=r"'optimizer_on_device': 0.5 needs offload='all'.*offload='activations'"):
+        build({"optimizer_on_device": 0.5})
+    assert build({"optimizer_on_device": 0.0}).optimizer_on_device == 0.0
+    env = build({"offload": "all", "inner": "eager"}, env={"TRINITY_OPTIMIZER_ON_DEVICE": "auto"})
+    assert env.optimizer_on_device == "auto"

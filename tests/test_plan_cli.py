@@ -195,3 +195,27 @@ def test_unknown_transformers_model_type():
     pytest.importorskip("transformers")
     with pytest.raises(ValueError, match="no model type 'nosuchmodel'"):
         plan_model("hf:nosuchmodel", A100, ["100%"])
+
+
+def test_offload_all_plans_count_the_host_update(capsys):
+    """With offload='all' the predicted step includes the host optimizer update: the
+    update seconds are the offloaded parameter bytes at the host model's seconds per byte (the
+    one formula the backend uses), a slower host makes the step longer, and the CLI prints the
+    update per step."""
+    spec = KNOWN_DEVICES["rtx4090"]
+    slow = dataclasses.replace(spec, host_bytes_per_s=1e9)
+    runs = {
+        name: plan_model("demo", s, ["device"], seq_len=256, offload="all", cpu_optimizer="fastest")
+        for name, s in (("fast", spec), ("slow", slow))
+    }
+    for name, s in (("fast", spec), ("slow", slow)):
+        r, row = runs[name], runs[name].rows[0]
+        update = cost_model.host_update_model(s, "adamw", implementation="fused")
+        assert row.update_seconds == pytest.approx(r.param_bytes * update.host_seconds_per_byte, rel=1e-9)
+        assert row.predicted_step_seconds >= r.compute_seconds + row.exposed_update_seconds
+        assert "(fused) on the host" in r.update
+    assert runs["slow"].rows[0].predicted_step_seconds > runs["fast"].rows[0].predicted_step_seconds
+    assert runs["slow"].rows[0].exposed_update_seconds > 0
+    assert main(["--model", "demo", "--seq-len", "256", "--offload", "all", "--budgets", "device", "--png", ""]) == 0
+    out = capsys.readouterr().out
+    assert "host optimizer update: adamw (loop) on the host" in out and "host update" in out

@@ -253,3 +253,175 @@ def test_property_timeline_is_consistent(schedule):
         spans = sorted((t.start, t.end) for t in timings)
         for (_s0, e0), (s1, _e1) in itertools.pairwise(spans):
             assert s1 >= e0 - eps
+
+
+# ------------------------------------------------------------------ the optimizer-update channel
+from offload_compiler.passes.simulate import UpdateTask  # noqa: E402
+
+
+def upd(id, seconds, ready, wait=None, after=(), on_compute=False):
+    return UpdateTask(id, seconds, ready, tuple(after), wait, on_compute)
+
+
+# (name, steps, copies, updates, total, exposed copies, exposed update, starts,
+#  per-copy (issue, start, end, stall), per-update (ready, start, end, stall in the next step))
+# Four steps of 1 s: the forward is steps 0-1, the backward 2-3, step() at position 4. Every
+# timeline is the steady state: it starts where the previous step's step() returned.
+UPDATE_CASES = [
+    (
+        # The 1 s update started at step() runs [0, 1] of the next step, under its first forward
+        # step; the fetch before step 1 (t=1) finds it done.
+        "update at step() hidden under the next forward",
+        [1.0, 1.0, 1.0, 1.0],
+        [],
+        [upd(0, 1.0, 4, wait=1)],
+        4.0,
+        0.0,
+        0.0,
+        (0.0, 1.0, 2.0, 3.0),
+        {},
+        {0: (4.0, 4.0, 5.0, 0.0)},
+    ),
+    (
+        # 3 s: it ends at 3 in the next step; the fetch at t=1 stalls 2 s.
+        "update at step() longer than the forward before its fetch",
+        [1.0, 1.0, 1.0, 1.0],
+        [],
+        [upd(0, 3.0, 4, wait=1)],
+        6.0,
+        0.0,
+        2.0,
+        (0.0, 3.0, 4.0, 5.0),
+        {},
+        {0: (6.0, 6.0, 9.0, 2.0)},
+    ),
+    (
+        # Two chunks in series on the update channel: [0, 1] and [1, 3] of the next step. The
+        # first is fetched before step 0: stall 1 s; the second before step 2, at t=3: no stall.
+        "two chunks queue on the update channel",
+        [1.0, 1.0, 1.0, 1.0],
+        [],
+        [upd(0, 1.0, 4, wait=0), upd(1, 2.0, 4, wait=2)],
+        5.0,
+        0.0,
+        1.0,
+        (1.0, 2.0, 3.0, 4.0),
+        {},
+        {0: (5.0, 5.0, 6.0, 1.0), 1: (5.0, 6.0, 8.0, 0.0)},
+    ),
+    (
+        # overlap="backward": ready when its gradient's copy is issued (position 2), it starts when
+        # that 0.5 s copy ends. Steady state: the previous update ends at 1 s into this step, so the
+        # fetch before step 0 stalls 1 s; then the copy runs [3, 3.5] and the update [3.5, 6],
+        # which is 1 s past this step's end (5): the same carry again.
+        "update during the backward, after its gradient's copy",
+        [1.0, 1.0, 1.0, 1.0],
+        [d2h(0, 0.5, 2, 3)],
+        [upd(0, 2.5, 2, wait=0, after=(0,))],
+        5.0,
+        0.0,
+        1.0,
+        (1.0, 2.0, 3.0, 4.0),
+        {0: (3.0, 3.0, 3.5, 0.0)},
+        {0: (3.0, 3.5, 6.0, 1.0)},
+    ),
+    (
+        # The same update started at step() instead: it runs [0, 2.5] of the next step, whose
+        # first fetch stalls all 2.5 s (1.5 s more than starting it in the backward).
+        "the same update at step()",
+        [1.0, 1.0, 1.0, 1.0],
+        [d2h(0, 0.5, 2, 3)],
+        [upd(0, 2.5, 4, wait=0, after=(0,))],
+        6.5,
+        0.0,
+        2.5,
+        (2.5, 3.5, 4.5, 5.5),
+        {0: (4.5, 4.5, 5.0, 0.0)},
+        {0: (6.5, 6.5, 9.0, 2.5)},
+    ),
+    (
+        # On the compute stream (the device's own update, or the host when it is the device):
+        # 0.5 s after the backward, all exposed.
+        "update on the compute stream",
+        [1.0, 1.0],
+        [],
+        [upd(0, 0.5, 2, on_compute=True)],
+        2.5,
+        0.0,
+        0.5,
+        (0.0, 1.0),
+        {},
+        {0: (2.0, 2.0, 2.5, 0.0)},
+    ),
+    (
+        # A host chunk (1 s, fetched before step 0) and the device's share (0.5 s) at step():
+        # the host chunk is handed to the worker first and runs [2.5, 3.5] while the device
+        # update runs [2.5, 3]; the next step's fetch waits 0.5 s for the host chunk.
+        "host chunk and device share at step()",
+        [1.0, 1.0],
+        [],
+        [upd(0, 0.5, 2, on_compute=True), upd(1, 1.0, 2, wait=0)],
+        3.0,
+        0.0,
+        1.0,
+        (0.5, 1.5),
+        {},
+        {0: (2.5, 2.5, 3.0, 0.0), 1: (2.5, 2.5, 3.5, 0.5)},
+    ),
+    (
+        # A fetch (H2D, 0.5 s) issued and waited for where the host waits for the update: the
+        # copy is issued only after that wait (t=2), so it runs [2, 2.5] and stalls 0.5 s more
+        # (issued first it would have run [1, 1.5], under the update's stall).
+        "a fetch is issued after its parameter's update",
+        [1.0, 1.0, 1.0, 1.0],
+        [h2d(0, 0.5, 1, 1)],
+        [upd(0, 2.0, 4, wait=1)],
+        5.5,
+        0.5,
+        1.0,
+        (0.0, 2.5, 3.5, 4.5),
+        {0: (2.0, 2.0, 2.5, 0.5)},
+        {0: (5.5, 5.5, 7.5, 1.0)},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "steps, copies, updates, total, exposed, exposed_update, starts, per_copy, per_update",
+    [c[1:] for c in UPDATE_CASES],
+    ids=[c[0] for c in UPDATE_CASES],
+)
+def test_hand_computed_update_timelines(
+    steps, copies, updates, total, exposed, exposed_update, starts, per_copy, per_update
+):
+    tl = simulate(steps, copies, updates)
+    assert tl.step_seconds == total
+    assert tl.exposed_seconds == exposed
+    assert tl.exposed_update_seconds == exposed_update
+    assert tl.update_seconds == sum(u.seconds for u in updates)
+    assert tl.step_start == starts
+    assert {c.id: (c.issue, c.start, c.end, c.stall) for c in tl.copies} == per_copy
+    assert {u.id: (u.ready, u.start, u.end, u.stall) for u in tl.updates} == per_update
+    # The step is its compute plus what it waits for.
+    assert tl.step_seconds == sum(steps) + tl.exposed_seconds + tl.exposed_update_seconds
+
+
+def test_updates_that_finish_in_time_change_nothing():
+    copies = [d2h(0, 2.0, 1, 3), h2d(1, 1.0, 0, 2)]
+    plain = simulate([1.0, 2.0, 0.5, 1.0], copies)
+    with_updates = simulate([1.0, 2.0, 0.5, 1.0], copies, [upd(0, 0.25, 4, wait=3)])
+    assert (with_updates.step_seconds, with_updates.exposed_seconds) == (plain.step_seconds, plain.exposed_seconds)
+    assert with_updates.copies == plain.copies and with_updates.exposed_update_seconds == 0.0
+
+
+@pytest.mark.parametrize(
+    "update, match",
+    [
+        (upd(3, 1.0, 5), "update 3: ready position 5"),
+        (upd(3, 1.0, 0, wait=-1), "update 3: ready position 0 and wait position -1"),
+        (upd(3, 1.0, 0, after=(7,)), r"update 3: waits for copies \[7\]"),
+    ],
+)
+def test_invalid_updates_raise(update, match):
+    with pytest.raises(ValueError, match=match):
+        simulate([1.0, 1.0], [d2h(0, 1.0, 0, 1)], [update])

@@ -9,6 +9,15 @@ placeholders and outputs.
 
 Per transfer: ``seconds = bytes / link bytes/s`` in the copy's direction (pinned host memory).
 
+Per optimizer update (``offload="all"``, :class:`HostUpdate`): a memory-bound pass over the
+parameter, its gradient and its state. AdamW moves 7 bytes per byte of parameter (reads master,
+gradient, m, v; writes master, m, v: 28 bytes per fp32 parameter); on the host it takes
+``DeviceSpec.host_update_s_per_param`` (measured by ``calibrate``, else derived from the host's
+bandwidth) per fp32 parameter, scaled by the bytes each other optimizer moves
+(:func:`optimizer_profile`); on the device (parameters the plan keeps there) those bytes at the
+device's memory bandwidth. :func:`host_update_seconds` is the one formula the backend and the
+``plan`` command use.
+
 Device figures from :mod:`offload_compiler.devices`, overridden by the options. Reads
 ``node.meta["val"]``; writes nothing.
 """
@@ -30,7 +39,17 @@ from ..runtime.ops import TRANSFER_OPS
 from ..runtime.transfer import span_bytes
 from .liveness import Liveness
 
-__all__ = ["Costs", "estimate", "apply_overrides", "node_cost"]
+__all__ = [
+    "host_update_from_optimizer",
+    "Costs",
+    "estimate",
+    "apply_overrides",
+    "node_cost",
+    "HostUpdate",
+    "host_update_model",
+    "host_update_seconds",
+    "optimizer_profile",
+]
 
 
 @dataclass(frozen=True)
@@ -80,6 +99,13 @@ def apply_overrides(spec: DeviceSpec, options: TrinityOptions) -> DeviceSpec:
         fields["h2d_bytes_per_s"] = options.h2d_bytes_per_s
     if options.d2h_bytes_per_s is not None:
         fields["d2h_bytes_per_s"] = options.d2h_bytes_per_s
+    if options.host_bytes_per_s is not None:
+        # A stated bandwidth: the update figures derive from it (not from a measurement).
+        fields.update(
+            host_bytes_per_s=options.host_bytes_per_s,
+            host_update_seconds_per_param=0.0,
+            host_update_loop_seconds_per_param=0.0,
+        )
     if options.device_memory_bytes is not None:
         fields["memory_bytes"] = options.device_memory_bytes
     if fields:
@@ -148,3 +174,121 @@ def estimate(pair: GraphPair, liveness: Liveness, spec: DeviceSpec, pinned: bool
     return Costs(
         device=spec, step_seconds=tuple(seconds), step_flops=tuple(flops), step_bytes=tuple(nbytes), pinned=pinned
     )
+
+
+# Optimizer name -> (bytes moved per byte of parameter in one update, state tensors per parameter).
+# AdamW/Adam and relatives: read param, grad, 2 states, write param and 2 states (7); SGD with
+# momentum, Adagrad, RMSprop: read param, grad, 1 state, write param and state (5); plain SGD:
+# read param and grad, write param (3).
+_PROFILES = {
+    "adamw": (7, 2),
+    "adam": (7, 2),
+    "nadam": (7, 2),
+    "radam": (7, 2),
+    "adamax": (7, 2),
+    "sgd": (5, 1),
+    "sgd-plain": (3, 0),
+    "adagrad": (5, 1),
+    "rmsprop": (5, 1),
+    "muon": (5, 1),
+    "none": (0, 0),
+}
+
+
+def optimizer_profile(optimizer: str | type, options: dict | None = None) -> tuple[int, int]:
+    """``(bytes moved per parameter byte, state tensors per parameter)`` of one update of
+    ``optimizer`` (a name such as ``"adamw"``, or a ``torch.optim`` class and its options); an
+    optimizer not in the table counts as AdamW. Muon's Newton-Schulz matmuls are not counted
+    (its bytes only)."""
+    name = optimizer if isinstance(optimizer, str) else optimizer.__name__.lower()
+    if name == "sgd" and not isinstance(optimizer, str) and not (options or {}).get("momentum"):
+        name = "sgd-plain"
+    return _PROFILES.get(name.lower(), _PROFILES["adamw"])
+
+
+@dataclass(frozen=True)
+class HostUpdate:
+    """The optimizer update of one step as the simulator sees it (``offload="all"``).
+
+    Attributes:
+        host_seconds_per_byte: host update seconds per byte of offloaded parameter.
+        device_seconds_per_byte: seconds per byte of a parameter the plan keeps on the device,
+            updated there on the compute stream.
+        overlap: ``"forward"`` (the update starts at ``step()``) or ``"backward"`` (a chunk
+            starts when its gradients are on the host), as ``CPUOptimizer(overlap=...)``.
+        chunk_bytes: the ``CPUOptimizer``'s chunk size (bytes of parameters per task).
+        on_compute: the host is the device itself (the CPU): host updates take the compute
+            stream's time.
+        state_factor: optimizer state tensors per parameter (device bytes of the share kept on
+            the device: this many times its parameter bytes).
+        description: what was assumed, in words.
+    """
+
+    host_seconds_per_byte: float
+    device_seconds_per_byte: float
+    overlap: Literal["forward", "backward"] = "forward"
+    chunk_bytes: int = 16 * 2**20
+    on_compute: bool = False
+    state_factor: int = 2
+    description: str = ""
+
+
+def host_update_model(
+    spec: DeviceSpec,
+    optimizer: str | type = "adamw",
+    options: dict | None = None,
+    implementation: Literal["fused", "loop"] = "loop",
+    overlap: Literal["forward", "backward"] = "forward",
+    chunk_bytes: int = 16 * 2**20,
+    threads: int | None = None,
+) -> HostUpdate:
+    """The :class:`HostUpdate` of ``optimizer`` on ``spec``'s host: ``implementation`` ``"fused"``
+    (torch's fused CPU kernel, ``CPUOptimizer(implementation="fastest")``) or ``"loop"`` (its
+    for-loop, ``CPUOptimizer``'s default). ``threads`` only labels the description (the figures
+    are the host's at all its threads).
+
+    Raises:
+        ValueError: for another ``implementation`` or ``overlap``.
+    """
+    if overlap not in ("forward", "backward"):
+        raise ValueError(f"overlap must be 'forward' or 'backward', got {overlap!r}")
+    traffic, states = optimizer_profile(optimizer, options)
+    per_param = spec.host_update_s_per_param(implementation)  # fp32 AdamW: 28 bytes, 4 of them parameter
+    host = per_param / 4 * traffic / 7
+    device = host if spec.host_is_device else traffic / spec.hbm_bytes_per_s
+    name = optimizer if isinstance(optimizer, str) else optimizer.__name__
+    source = "measured" if spec.host_update_seconds_per_param else "derived from the host bandwidth"
+    return HostUpdate(
+        host_seconds_per_byte=host,
+        device_seconds_per_byte=device,
+        overlap=overlap,
+        chunk_bytes=int(chunk_bytes),
+        on_compute=spec.host_is_device,
+        state_factor=states,
+        description=(
+            f"{name} ({implementation}) on the host at {spec.host_bytes_per_s / 1e9:.3g} GB/s"
+            + (f", {threads} threads" if threads else "")
+            + f": {per_param * 1e9 * traffic / 7:.3g} ns per fp32 parameter ({source}), overlap={overlap}"
+        ),
+    )
+
+
+def host_update_from_optimizer(spec: DeviceSpec, optimizer) -> HostUpdate:
+    """The :class:`HostUpdate` of a live ``CPUOptimizer`` (its class, options, implementation,
+    overlap, chunk size and threads)."""
+    impl = "fused" if optimizer.defaults.get("fused") else "loop"
+    return host_update_model(
+        spec,
+        optimizer.optimizer_class,
+        optimizer.defaults,
+        impl,
+        optimizer.overlap,
+        optimizer.chunk_bytes,
+        optimizer.num_threads,
+    )
+
+
+def host_update_seconds(nbytes: int, model: HostUpdate, on_device: bool = False) -> float:
+    """Seconds of the update of ``nbytes`` of parameters: on the host, or (``on_device``) on the
+    device for a share the plan keeps there."""
+    return nbytes * (model.device_seconds_per_byte if on_device else model.host_seconds_per_byte)

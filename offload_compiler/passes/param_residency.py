@@ -56,7 +56,18 @@ from ..runtime.param_ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT, PARAM_FETCH, PA
 from .cost_model import Costs
 from .liveness import Buffer, BufferKind, Liveness
 
-__all__ = ["ParamResidency", "ResidencyPlan", "plan", "apply", "activation_view", "copy_tasks", "check", "MODES"]
+__all__ = [
+    "ParamResidency",
+    "ResidencyPlan",
+    "plan",
+    "apply",
+    "activation_view",
+    "copy_tasks",
+    "update_tasks",
+    "step_timeline",
+    "check",
+    "MODES",
+]
 
 MODES = ("activations+params", "all")
 
@@ -545,9 +556,15 @@ def copy_tasks(the_plan: ResidencyPlan, costs: Costs, first_id: int = 0) -> list
     * per gradient sent to host, a D2H copy issued after the node that makes it (or the
       parameter's last backward reader) and waited for at its ``grad_to_host_wait``.
     """
+    return _copy_tasks(the_plan, costs, first_id)[0]
+
+
+def _copy_tasks(the_plan: ResidencyPlan, costs: Costs, first_id: int) -> tuple[list, dict[int, int]]:
+    """:func:`copy_tasks` and, per parameter (its placeholder's name), the id of its gradient's copy."""
     from .simulate import CopyTask
 
     tasks = []
+    grad_copy: dict[int, int] = {}
 
     def add(direction, nbytes, issue, wait):
         tasks.append(CopyTask(first_id + len(tasks), direction, costs.transfer_seconds(nbytes, direction), issue, wait))
@@ -564,7 +581,89 @@ def copy_tasks(the_plan: ResidencyPlan, costs: Costs, first_id: int = 0) -> list
         if p.grad_to_host_after is not None:
             wait = p.grad_wait_after if p.grad_wait_after is not None else p.grad_to_host_after
             add("d2h", p.nbytes, p.grad_to_host_after + 1, wait + 1)
+            grad_copy[p.placeholder] = tasks[-1].id
+    return tasks, grad_copy
+
+
+def update_tasks(
+    the_plan: ResidencyPlan,
+    update,
+    grad_copy: Mapping[int, int] | None = None,
+    device_param_bytes: int = 0,
+    first_id: int = 0,
+) -> list:
+    """The simulator's optimizer-update tasks (:class:`~.simulate.UpdateTask`) for ``the_plan``
+    (``"all"``) under ``update`` (a :class:`~.cost_model.HostUpdate`):
+
+    * the offloaded parameters in the order the forward fetches them, in chunks of at least
+      ``update.chunk_bytes`` (as ``CPUOptimizer`` makes them from ``model.parameters()``); each
+      chunk's task lasts :func:`~.cost_model.host_update_seconds` of its bytes, becomes ready at
+      ``step()`` (position ``num_steps``) or, with ``overlap="backward"``, where its last
+      gradient's copy is issued, starts after its gradients' copies (``grad_copy``: placeholder
+      name -> copy id) and is waited for at the chunk's first forward fetch of the next step;
+    * ``device_param_bytes`` of parameters the plan keeps on the device: one task on the compute
+      stream at ``step()``.
+
+    With ``update.on_compute`` (the host is the device) every task is on the compute stream.
+    """
+    from .cost_model import host_update_seconds
+    from .simulate import UpdateTask
+
+    if the_plan.mode != "all":
+        return []
+    grad_copy = grad_copy or {}
+    n = the_plan.num_steps
+    tasks: list = []
+
+    def first_fetch(p: ParamResidency) -> int:
+        for pos in (p.fw_fetch_before, p.bw_fetch_before):
+            if pos is not None:
+                return pos
+        return n
+
+    order = sorted(the_plan.params, key=first_fetch)
+    chunks: list[list[ParamResidency]] = [[]]
+    size = 0
+    for p in order:
+        chunks[-1].append(p)
+        size += p.nbytes
+        if size >= update.chunk_bytes:
+            chunks.append([])
+            size = 0
+    for chunk in (c for c in chunks if c):
+        after = tuple(grad_copy[p.placeholder] for p in chunk if p.placeholder in grad_copy)
+        ready = n
+        if update.overlap == "backward" and all(p.grad_to_host_after is not None for p in chunk):
+            ready = max(p.grad_to_host_after + 1 for p in chunk)
+        tasks.append(
+            UpdateTask(
+                first_id + len(tasks),
+                host_update_seconds(sum(p.nbytes for p in chunk), update),
+                ready,
+                after,
+                min(first_fetch(p) for p in chunk),
+                update.on_compute,
+            )
+        )
+    if device_param_bytes:
+        seconds = host_update_seconds(device_param_bytes, update, on_device=True)
+        tasks.append(UpdateTask(first_id + len(tasks), seconds, n, (), None, True))
     return tasks
+
+
+def step_timeline(
+    the_plan: ResidencyPlan, costs: Costs, activation_tasks: Sequence = (), update=None, device_param_bytes: int = 0
+):
+    """The simulated step with parameter residency: ``activation_tasks`` (the activation plan's
+    copies, ids from 0), the parameter copies of ``the_plan`` and, with ``update`` (a
+    :class:`~.cost_model.HostUpdate`), the optimizer update (:func:`update_tasks`): the steady
+    state of a training loop (:func:`~.simulate.simulate`). The one function the backend's
+    report and the ``plan`` command predict a step with."""
+    from .simulate import simulate
+
+    copies, grad_copy = _copy_tasks(the_plan, costs, len(activation_tasks))
+    updates = update_tasks(the_plan, update, grad_copy, device_param_bytes) if update is not None else []
+    return simulate(costs.step_seconds, list(activation_tasks) + copies, updates)
 
 
 def check(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:

@@ -8,6 +8,21 @@ order) and takes ``seconds``; a wait stalls the compute stream until its copy ha
 stall is exposed copy time.
 
 This is exact for that model; it is the model the planner scores plans with.
+
+**The optimizer update** (``offload="all"``; :class:`UpdateTask`): a third channel, the host's
+update (the ``CPUOptimizer`` worker; one task per chunk of parameters, run one after the other).
+A task becomes ready at its ``ready_pos`` (where ``step()`` is called, position ``n``; or, with
+``overlap="backward"``, where its last gradient's copy to the host is issued) and starts once it
+is ready, the channel is free and its gradients' copies (``after``) have ended. Its parameters'
+fetches in the *next* step wait for it: at ``wait_pos`` of the next step the host, and with it
+the compute stream, stalls until the task is done (before the copies issued there); that stall is
+exposed update time. A task with ``on_compute`` (the device's own update of parameters kept on
+the device, or any update when the device is the host CPU itself) runs on the compute stream at
+its ready position instead: all of it is exposed. With updates the result is the steady state of
+a training loop: the schedule is simulated repeatedly, each step carrying the previous step's
+update end times (relative to its end) into the next, until they repeat; the returned timeline
+is that step's, from the start of its forward to the end of its backward (``step_seconds``: the
+time between two ``step()`` calls).
 """
 
 from __future__ import annotations
@@ -19,6 +34,8 @@ from typing import Literal
 __all__ = [
     "CopyTask",
     "CopyTiming",
+    "UpdateTask",
+    "UpdateTiming",
     "Timeline",
     "simulate",
     "PairTimeline",
@@ -51,6 +68,40 @@ class CopyTiming:
 
 
 @dataclass(frozen=True)
+class UpdateTask:
+    """One optimizer-update task (see the module docstring); positions as for copies.
+
+    Attributes:
+        id: its number.
+        seconds: its duration.
+        ready_pos: where it may start (``0 <= ready_pos <= n``).
+        after: ids of the copies that must end first (its gradients' copies to the host).
+        wait_pos: where the next step waits for it (its parameters' first fetch); ``None``: at the
+            end of the next step (its ``step()``).
+        on_compute: it runs on the compute stream at ``ready_pos`` (exposed in full).
+    """
+
+    id: int
+    seconds: float
+    ready_pos: int
+    after: tuple[int, ...] = ()
+    wait_pos: int | None = None
+    on_compute: bool = False
+
+
+@dataclass(frozen=True)
+class UpdateTiming:
+    """When an update ran in the steady-state step (seconds from its start): ready, start, end;
+    ``stall``: how long the next step's compute stream waits for it."""
+
+    id: int
+    ready: float
+    start: float
+    end: float
+    stall: float
+
+
+@dataclass(frozen=True)
 class Timeline:
     """Result of :func:`simulate` (seconds).
 
@@ -60,6 +111,10 @@ class Timeline:
         exposed_seconds: total stall of the compute stream on copies.
         step_start: start time of each step.
         copies: per copy, when it was issued, started, ended, and the stall it caused.
+        update_seconds: total optimizer-update time per step (every :class:`UpdateTask`).
+        exposed_update_seconds: of it, the time the compute stream waits for (stalls on updates
+            plus the ``on_compute`` tasks); included in ``step_seconds``.
+        updates: per update task, its timing in the steady-state step (by id).
     """
 
     step_seconds: float
@@ -67,14 +122,21 @@ class Timeline:
     exposed_seconds: float
     step_start: tuple[float, ...]
     copies: tuple[CopyTiming, ...]
+    update_seconds: float = 0.0
+    exposed_update_seconds: float = 0.0
+    updates: tuple[UpdateTiming, ...] = ()
 
 
-def simulate(step_seconds: Sequence[float], copies: Sequence[CopyTask]) -> Timeline:
-    """Simulate the schedule (see the module docstring).
+def simulate(step_seconds: Sequence[float], copies: Sequence[CopyTask], updates: Sequence[UpdateTask] = ()) -> Timeline:
+    """Simulate the schedule (see the module docstring); with ``updates``, the steady state of a
+    training loop.
 
     Raises:
-        ValueError: for a copy waited before it is issued, or positions out of range.
+        ValueError: for a copy waited before it is issued, positions out of range, or an update
+            after a copy id that does not exist.
     """
+    if updates:
+        return _simulate_with_updates(step_seconds, copies, updates)
     n = len(step_seconds)
     issues: dict[int, list[CopyTask]] = {}
     waits: dict[int, list[CopyTask]] = {}
@@ -113,6 +175,103 @@ def simulate(step_seconds: Sequence[float], copies: Sequence[CopyTask]) -> Timel
         exposed_seconds=exposed,
         step_start=tuple(starts),
         copies=copies_out,
+    )
+
+
+def _simulate_with_updates(
+    step_seconds: Sequence[float], copies: Sequence[CopyTask], updates: Sequence[UpdateTask]
+) -> Timeline:
+    n = len(step_seconds)
+    ids = {c.id for c in copies}
+    for c in copies:
+        if not (0 <= c.issue_pos <= c.wait_pos <= n):
+            raise ValueError(
+                f"copy {c.id}: issue position {c.issue_pos} and wait position {c.wait_pos} must satisfy "
+                f"0 <= issue <= wait <= {n}"
+            )
+    for u in updates:
+        wait = n if u.wait_pos is None else u.wait_pos
+        if not (0 <= u.ready_pos <= n and 0 <= wait <= n):
+            raise ValueError(
+                f"update {u.id}: ready position {u.ready_pos} and wait position {u.wait_pos} must be in 0..{n}"
+            )
+        if not set(u.after) <= ids:
+            raise ValueError(f"update {u.id}: waits for copies {sorted(set(u.after) - ids)} that do not exist")
+    issues: dict[int, list[CopyTask]] = {}
+    waits: dict[int, list[CopyTask]] = {}
+    for c in copies:
+        issues.setdefault(c.issue_pos, []).append(c)
+        waits.setdefault(c.wait_pos, []).append(c)
+    ready: dict[int, list[UpdateTask]] = {}
+    update_waits: dict[int, list[UpdateTask]] = {}
+    # At one position the host hands its tasks to the update channel first, then queues the
+    # on-compute ones (CPUOptimizer.step starts the worker, then steps the device's share).
+    for u in sorted(updates, key=lambda u: u.on_compute):
+        ready.setdefault(u.ready_pos, []).append(u)
+        if not u.on_compute:
+            update_waits.setdefault(n if u.wait_pos is None else u.wait_pos, []).append(u)
+
+    def one_step(carry: dict[int, float]):
+        """One step; ``carry``: the previous step's update end times, relative to this step's start."""
+        free = {"d2h": 0.0, "h2d": 0.0}
+        host = max([0.0, *carry.values()])  # the update channel finishes the previous step's work first
+        timing: dict[int, list[float]] = {}
+        done: dict[int, list[float]] = {}
+        t = exposed = exposed_update = 0.0
+        starts = []
+        stall = {u.id: 0.0 for u in updates}
+        for pos in range(n + 1):
+            for u in update_waits.get(pos, ()):
+                end = carry.get(u.id, 0.0)
+                if end > t:
+                    stall[u.id] += end - t
+                    exposed_update += end - t
+                    t = end
+            for c in issues.get(pos, ()):
+                start = max(t, free[c.direction])
+                free[c.direction] = start + c.seconds
+                timing[c.id] = [t, start, start + c.seconds, 0.0]
+            for c in waits.get(pos, ()):
+                end = timing[c.id][2]
+                if end > t:
+                    timing[c.id][3] += end - t
+                    exposed += end - t
+                    t = end
+            for u in ready.get(pos, ()):
+                if u.on_compute:
+                    done[u.id] = [t, t, t + u.seconds]
+                    t += u.seconds
+                    exposed_update += u.seconds
+                else:
+                    start = max([t, host, *(timing[a][2] for a in u.after)])
+                    host = start + u.seconds
+                    done[u.id] = [t, start, host]
+            if pos < n:
+                starts.append(t)
+                t += step_seconds[pos]
+        return t, exposed, exposed_update, starts, timing, done, stall
+
+    carry: dict[int, float] = {}
+    for _ in range(len(updates) + 2):  # the carry settles within as many steps as there are updates
+        result = one_step(carry)
+        total, done = result[0], result[5]
+        new = {u.id: done[u.id][2] - total for u in updates if not u.on_compute}
+        if new == carry:
+            break
+        carry = new
+    # The steady step; the stalls its updates cause in the next step are this step's own.
+    total, exposed, exposed_update, starts, timing, done, next_stall = one_step(carry)
+    return Timeline(
+        step_seconds=total,
+        compute_seconds=float(sum(step_seconds)),
+        exposed_seconds=exposed,
+        step_start=tuple(starts),
+        copies=tuple(CopyTiming(c.id, c.direction, *timing[c.id]) for c in sorted(copies, key=lambda c: c.id)),
+        update_seconds=float(sum(u.seconds for u in updates)),
+        exposed_update_seconds=exposed_update,
+        updates=tuple(
+            UpdateTiming(u.id, *done[u.id], next_stall.get(u.id, 0.0)) for u in sorted(updates, key=lambda u: u.id)
+        ),
     )
 
 

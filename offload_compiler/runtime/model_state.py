@@ -89,10 +89,14 @@ __all__ = [
     "install_module_hooks",
     "SLOT_ATTR",
     "OWNER_ATTR",
+    "ON_DEVICE_ATTR",
 ]
 
 SLOT_ATTR = "_trinity_slot"
 OWNER_ATTR = "_trinity_optimizer"  # on the parameter: weakref.ref to the CPUOptimizer that owns it
+# On a parameter that the plan keeps resident on the device with its gradient and optimizer state
+# (option optimizer_on_device): it has no slot, and CPUOptimizer updates it on the device.
+ON_DEVICE_ATTR = "_trinity_on_device"
 
 # Where torch has them (CUDA builds), these make any access to a released storage's data raise
 # RuntimeError with our message instead of reading freed memory (the mechanism cudagraph trees
