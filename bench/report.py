@@ -292,7 +292,8 @@ def _planner_section(results: Path) -> list[str]:
     try:
         pt = json.loads((results / "planner_time.json").read_text())
         rows = ", ".join(
-            f"{r['layers']} layers: plan_window {r['plan_window_seconds']:.3f} s, all passes {r['all_passes_seconds']:.2f} s"
+            f"{r['layers']} layers ({r.get('device_figures', 'host figures')}): plan_window "
+            f"{r['plan_window_seconds']:.3f} s, all passes {r['all_passes_seconds']:.2f} s"
             for r in pt["rows"]
         )
         lines.append(f"- planner time (`planner_time.json`, {pt['device']}, {pt['git_commit']}): {rows}")

@@ -4,9 +4,15 @@ Layout of ``<dump_dir>/graph_<id>/``::
 
     00_partitioned.forward.py   the graphs as AOTAutograd's partitioner made them
     00_partitioned.backward.py
+    07_insert_recompute.forward.py   after the recomputation (when the plan recomputes)
+    07_insert_recompute.backward.py
     10_insert_transfers.forward.py   after trinity's rewrite (one pair per mutating pass)
     10_insert_transfers.backward.py
-    liveness.json                every buffer: kind, bytes, live range, idle gap
+    recompute.json               the joint planner's choice: per saved activation keep/offload/
+                                 recompute, the chains recomputed with their FLOPs and seconds,
+                                 the solver, every candidate it scored
+    liveness.json                every buffer: kind, bytes, live range, idle gap (after the
+                                 recomputation, which memory.png's "without offloading" includes)
     plan.json                    the plan (evictions, copy placement, predictions)
     report.json                  the report (as offload_compiler.last_report() returns it)
     memory.png                   live device bytes over the joint schedule, before and after

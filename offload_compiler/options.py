@@ -178,6 +178,7 @@ _INNER = ("inductor", "eager")
 _ON_INFEASIBLE = ("error", "warn")
 _OFFLOAD = ("activations", "activations+params", "all")
 _RUNTIME_CHECK = ("replan", "measure", "off")
+_STRATEGY = ("auto", "offload", "recompute")
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,13 @@ class TrinityOptions:
             budget, plans again with the measured workspace as margins (at most twice);
             ``"measure"`` measures and reports only; ``"off"`` does neither. Off under
             ``fault_injection`` (its deferred copies keep memory alive on purpose).
+        strategy: how a budget below the unplanned peak is met, per saved activation:
+            ``"auto"`` (the default: keep, offload or recompute, whichever the joint planner
+            predicts fastest within the budget, ``passes/plan_recompute.py``), ``"offload"``
+            (keep or offload only) or ``"recompute"`` (keep or recompute in the backward only, no
+            copies). With parameter offload (``offload`` other than ``"activations"``) saved
+            activations are kept or offloaded (``"auto"`` means ``"offload"`` there;
+            ``"recompute"`` is refused).
     """
 
     memory_budget: MemoryBudget = field(default_factory=lambda: MemoryBudget("auto"))
@@ -266,6 +274,7 @@ class TrinityOptions:
     offload: Literal["activations", "activations+params", "all"] = "activations"
     num_streams: int | None = None
     runtime_check: Literal["replan", "measure", "off"] = "replan"
+    strategy: Literal["auto", "offload", "recompute"] = "auto"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -312,6 +321,12 @@ class TrinityOptions:
             values[key] = (value, key)
         kwargs = {name: _validate(name, value, where) for name, (value, where) in values.items()}
         opts = cls(**kwargs)
+        if opts.strategy == "recompute" and opts.offload != "activations":
+            raise ValueError(
+                f"trinity option 'strategy': 'recompute' is not combined with offload={opts.offload!r} yet "
+                "(with parameter offload saved activations are kept or offloaded); use strategy='auto' or "
+                "'offload', or offload='activations'"
+            )
         if opts.optimizer_on_device != 0.0 and opts.offload != "all":
             raise ValueError(
                 f"trinity option 'optimizer_on_device': {opts.optimizer_on_device!r} needs offload='all' (the "
@@ -394,6 +409,10 @@ def _validate(name: str, value: Any, where: str) -> Any:
     if name == "runtime_check":
         if value not in _RUNTIME_CHECK:
             raise bad("one of " + ", ".join(repr(v) for v in _RUNTIME_CHECK))
+        return value
+    if name == "strategy":
+        if value not in _STRATEGY:
+            raise bad("one of " + ", ".join(repr(v) for v in _STRATEGY))
         return value
     if name == "on_infeasible":
         if value not in _ON_INFEASIBLE:

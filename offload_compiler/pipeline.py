@@ -7,8 +7,10 @@ min-cut partitioner (the one Inductor and ``aot_eager`` use), then the passes, i
 0. ``reorder``       compute nodes early where that frees memory (mutates node order only)
 1. ``liveness``      buffers and live ranges over the joint schedule (analysis)
 2. ``cost_model``    seconds per node and per transfer (analysis)
-3. ``plan_window``   which saved activations to evict and where the copies go (pure function)
-4. ``insert_transfers``  the ``trinity::*`` nodes (mutates the graphs)
+3. ``plan_window``   keep, offload or recompute each saved activation (``plan_recompute``, the
+                     joint planner), and where the copies go (``plan_window``) (pure functions)
+4. ``insert_recompute``  the recomputed chains in the backward (mutates the graphs)
+   ``insert_transfers``  the ``trinity::*`` nodes (mutates the graphs)
 5. ``assign_streams``  side streams and events (``num_streams > 1``, ``inner="eager"``)
 6. ``verify``        invariants, happens-before and the re-measured peak (when ``verify`` is on)
 
@@ -18,6 +20,7 @@ Each pass is timed; with ``dump_dir`` the graphs are written before and after th
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 import warnings
@@ -35,8 +38,10 @@ from .options import MemoryBudget, TrinityOptions
 from .passes import (
     assign_streams,
     cost_model,
+    insert_recompute,
     insert_transfers,
     liveness,
+    plan_recompute,
     plan_window,
     reorder,
     simulate,
@@ -84,8 +89,16 @@ def plan_pair(
     spec: DeviceSpec | None = None,
     model_state: dict | None = None,
     margins: WorkspaceMargins | None = None,
-) -> tuple[liveness.Liveness, cost_model.Costs, int | None, plan_window.Plan, dict[str, float]]:
+) -> tuple[
+    liveness.Liveness, cost_model.Costs, int | None, plan_window.Plan, dict[str, float], plan_recompute.JointPlan
+]:
     """Run the analyses and the planner on ``pair`` without changing it.
+
+    Without ``model_state`` the joint planner (:func:`~.passes.plan_recompute.plan_joint`)
+    chooses keep, offload or recompute per saved activation (``options.strategy``); the liveness
+    and costs returned are then those of the graphs with its recomputation applied (on a copy), to
+    which the plan's steps refer: apply ``joint.chains`` with
+    :func:`~.passes.insert_recompute.apply` (on ``joint.source_liveness``) before the transfers.
 
     ``model_state`` (``offload`` other than ``"activations"``): forward input position ->
     ``(slot id, host bytes)`` of the parameters to offload (and, under the key ``"optimizer"``,
@@ -103,8 +116,8 @@ def plan_pair(
     :mod:`.runtime.step_check`): liveness counts the measured workspace of each op, and the
     budget is the one the first plan resolved (``margins.budget_bytes``).
 
-    Returns ``(liveness, costs, budget_bytes, plan, pass_seconds)``; with ``model_state`` the
-    liveness returned is the activation view.
+    Returns ``(liveness, costs, budget_bytes, plan, pass_seconds, joint)``; with ``model_state``
+    the liveness returned is the activation view and ``joint`` holds no recomputation.
     """
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -150,7 +163,7 @@ def plan_pair(
             model_state["plan"] = residency
             seconds["param_residency"] = time.perf_counter() - t0
             seconds["plan_window"] = 0.0
-            return live, costs, budget, the_plan, seconds
+            return live, costs, budget, the_plan, seconds, _offload_only(live, costs, the_plan)
         for use_windows in (True, False):
             residency = param_residency.plan(
                 pair, real, costs, chosen, options.offload, real.live_bytes(), budget, use_windows=use_windows
@@ -162,10 +175,27 @@ def plan_pair(
         model_state["plan"] = residency
         seconds["param_residency"] = time.perf_counter() - t0
         seconds["plan_window"] = 0.0
-        return live, costs, budget, the_plan, seconds
-    the_plan = plan_window.plan(live, costs, budget, options.min_offload_bytes)
-    seconds["plan_window"] = time.perf_counter() - t0
-    return live, costs, budget, the_plan, seconds
+        return live, costs, budget, the_plan, seconds, _offload_only(live, costs, the_plan)
+    joint = plan_recompute.plan_joint(
+        pair,
+        live,
+        costs,
+        budget,
+        options.strategy,
+        options.min_offload_bytes,
+        rng_replay=options.inner == "eager",
+        assume_fusion=options.inner == "inductor",
+        margins=margins,
+    )
+    seconds["plan_window"] = time.perf_counter() - t0  # the joint planner, plan_window included
+    return joint.liveness, joint.costs, budget, joint.plan, seconds, joint
+
+
+def _offload_only(live: liveness.Liveness, costs: cost_model.Costs, the_plan: plan_window.Plan):
+    """The joint planner's answer where it does not run (parameter offload: keep or offload)."""
+    return plan_recompute.JointPlan(
+        plan_recompute.RecomputePlan("offload", "offload only"), (), live, live, costs, the_plan
+    )
 
 
 def _liveness_json(live: liveness.Liveness, costs: cost_model.Costs) -> dict[str, Any]:
@@ -304,13 +334,36 @@ class CompileSession:
             static = set(pair.static_input_indices)
             model_state = {i: (s.id, s.host_bytes) for i, s in self.param_slots.items() if i in static}
             model_state["optimizer"] = next((s.owner() for s in self.param_slots.values() if s.owner()), None)
-        live, costs, budget, the_plan, seconds = plan_pair(pair, opts, model_state=model_state, margins=self.margins)
+        live, costs, budget, the_plan, seconds, joint = plan_pair(
+            pair, opts, model_state=model_state, margins=self.margins
+        )
         if model_state and model_state.get("split") is not None:
             self._keep_on_device(model_state["split"])
-        step_nodes = list(forward.graph.nodes) + list(backward.graph.nodes)
         seconds = {"reorder": reorder_seconds, **seconds}
+        if joint.chains:
+            t0 = time.perf_counter()
+            insert_recompute.apply(pair, joint.source_liveness, joint.chains)
+            names = (tuple(n.name for n in forward.graph.nodes), tuple(n.name for n in backward.graph.nodes))
+            if names != joint.rewritten_names:
+                raise RuntimeError(
+                    "trinity internal error: the recomputation rewrote the graphs differently from the copy "
+                    "it was planned on"
+                )
+            seconds["insert_recompute"] = time.perf_counter() - t0
+            if dumper:
+                dumper.graphs("07_insert_recompute", forward, backward)
+        step_nodes = list(forward.graph.nodes) + list(backward.graph.nodes)
         if dumper:
             dumper.json("liveness.json", _liveness_json(live, costs))
+            dumper.json(
+                "recompute.json",
+                {
+                    **json.loads(joint.recompute.to_json()),
+                    "decisions": [
+                        {"saved": n, "bytes": b, "decision": d} for n, b, d in plan_recompute.decisions(joint)
+                    ],
+                },
+            )
         fallback = None
         if not the_plan.feasible:
             # A percentage budget is a fraction of the peak resolve_budget saw (with parameter
@@ -324,6 +377,7 @@ class CompileSession:
                 opts.on_infeasible,
                 unplanned_peak_bytes=reference,
             )
+            message += plan_recompute.infeasible_note(joint.recompute)
             if opts.on_infeasible == "error":
                 if dumper:
                     dumper.text("error.txt", message)
@@ -331,7 +385,7 @@ class CompileSession:
             warnings.warn(message + " (on_infeasible='warn': using the lowest-peak plan)", stacklevel=2)
             fallback = "budget infeasible; running the lowest-peak plan"
         size_guards = size_guard.guard_planned_sizes(pair, live, budget)
-        if budget is not None and the_plan.peak_bytes_unplanned > budget and not the_plan.evictions:
+        if budget is not None and live.peak_bytes > budget and not the_plan.evictions and not joint.chains:
             fallback = "budget below the unplanned peak but nothing can be offloaded"
         t0 = time.perf_counter()
         if the_plan.evictions:
@@ -426,7 +480,7 @@ class CompileSession:
             inner=opts.inner,
             budget_request=opts.memory_budget.describe(),
             budget_bytes=budget,
-            peak_bytes_unplanned=the_plan.peak_bytes_unplanned,
+            peak_bytes_unplanned=joint.source_liveness.peak_bytes,
             peak_bytes_planned=planned_peak,
             lowest_reachable_peak_bytes=the_plan.lowest_reachable_peak_bytes,
             evicted_bytes=the_plan.evicted_bytes,
@@ -483,6 +537,10 @@ class CompileSession:
                 for st in live.saved
                 if not st.evictable and not st.reason.startswith("aliases a")
             ),
+            strategy=opts.strategy,
+            recompute=plan_recompute.summary(joint.recompute),
+            decisions=plan_recompute.decisions(joint),
+            fits_without_plan=joint.recompute.fits_without_plan,
         )
         if dumper:
             dumper.text("report.json", report.to_json())

@@ -13,8 +13,12 @@ part of the simulated step. With ``all`` the host optimizer update is part of it
 :func:`~.passes.param_residency.step_timeline` and :mod:`.passes.optimizer_split` as the backend:
 ``--cpu-optimizer``, ``--overlap`` and ``--optimizer-on-device`` as ``CPUOptimizer`` and the
 option say; ``--host-bandwidth`` states the host's memory bandwidth), and the host-update seconds
-per step are printed. It draws the memory/time frontier over the budgets as a PNG and names the
-smallest budget whose predicted step is within 5% of the step without offloading.
+per step are printed. ``--strategy`` chooses how saved activations meet a budget, as the backend's
+option does: ``auto`` (keep, offload or recompute, the joint planner of
+:mod:`.passes.plan_recompute`), ``offload`` or ``recompute``; the ``recompute`` column shows what is
+recomputed in the backward and its predicted seconds. It draws the memory/time frontier over the
+budgets as a PNG and names the smallest budget whose predicted step is within 5% of the step
+without offloading.
 
 This is the "impossible trinity" made explicit: a larger model, a faster step or a cheaper GPU.
 """
@@ -32,7 +36,7 @@ import torch
 from .devices import KNOWN_DEVICES, DeviceSpec, lookup_device
 from .graph_pair import fill_tuple_vals
 from .options import MemoryBudget, format_bytes, parse_size
-from .passes import cost_model, liveness, optimizer_split, param_residency, plan_window, reorder
+from .passes import cost_model, liveness, optimizer_split, param_residency, plan_recompute, plan_window, reorder
 from .passes.simulate import simulate
 
 __all__ = ["PlanRow", "plan_model", "main"]
@@ -65,6 +69,11 @@ class PlanRow:
     update_seconds: float = 0.0
     exposed_update_seconds: float = 0.0
     device_share: float = 0.0
+    recomputed_bytes: int = 0
+    num_recomputed: int = 0
+    recompute_seconds: float = 0.0
+    recompute_flops: int = 0
+    chosen: str = ""
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,7 @@ class PlanResult:
     plan_seconds: float
     offload: str = "activations"
     host_model_state_bytes: int = 0
+    strategy: str = "offload"
     update: str = ""
 
     def within_5_percent(self) -> PlanRow | None:
@@ -140,6 +150,8 @@ def plan_model(
     cpu_optimizer: str = "exact",
     overlap: str = "forward",
     optimizer_on_device: float | str = 0.0,
+    strategy: str = "auto",
+    traced=None,
 ) -> PlanResult:
     """Plan ``model``'s training step for each budget on ``device`` (see the module docstring).
 
@@ -150,9 +162,14 @@ def plan_model(
     ``offload="all"`` the optimizer update of ``optimizer`` is simulated as
     ``CPUOptimizer(implementation=cpu_optimizer, overlap=overlap)`` runs it on ``device``'s host
     figures, with the ``optimizer_on_device`` share on the device.
+    ``strategy``: ``"auto"``, ``"offload"`` or ``"recompute"`` (see the module docstring); with
+    parameter offload saved activations are kept or offloaded. ``traced``: a
+    :class:`~.trace.TracedStep` of this model to plan instead of tracing it again (its graphs are
+    reordered in place, as the backend does, once).
 
     Raises:
-        ValueError: for an unknown model, optimizer or a malformed budget, naming it.
+        ValueError: for an unknown model, optimizer, strategy or a malformed budget, naming it;
+            for ``strategy="recompute"`` with parameter offload.
     """
     from .trace import trace_training_step
 
@@ -162,6 +179,10 @@ def plan_model(
         raise ValueError(f"unknown offload {offload!r}; one of activations, {', '.join(param_residency.MODES)}")
     if not budgets:
         raise ValueError("--budgets: no budget given; e.g. '100%,50%,24GiB,device'")
+    if strategy not in plan_recompute.STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(plan_recompute.STRATEGIES)}")
+    if strategy == "recompute" and offload != "activations":
+        raise ValueError(f"--strategy recompute is not combined with --offload {offload} yet")
     if cpu_optimizer not in ("exact", "fastest"):
         raise ValueError(f"cpu_optimizer {cpu_optimizer!r}: expected 'exact' or 'fastest'")
     parsed = []
@@ -176,16 +197,19 @@ def plan_model(
             if mb is None or mb.kind not in ("bytes", "fraction"):
                 raise ValueError(f"--budgets: {b!r} is not a size ('24GiB'), a percentage ('50%') or 'device'")
             parsed.append((b, mb))
-    build, vocab = _build(model, seq_len, hf_overrides or {})
     t0 = time.perf_counter()
-    traced = trace_training_step(build, batch, seq_len, vocab, dtype)
+    if traced is None:
+        build, vocab = _build(model, seq_len, hf_overrides or {})
+        traced = trace_training_step(build, batch, seq_len, vocab, dtype)
     trace_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     pair = traced.pair
-    fill_tuple_vals(pair.forward)
-    fill_tuple_vals(pair.backward)
-    reorder.hoist_frees(pair.forward)
-    reorder.hoist_frees(pair.backward)
+    if not traced.prepared:
+        fill_tuple_vals(pair.forward)
+        fill_tuple_vals(pair.backward)
+        reorder.hoist_frees(pair.forward)
+        reorder.hoist_frees(pair.backward)
+        traced.prepared = True
     live = liveness.analyze(pair, assume_fusion=True)
     costs = cost_model.estimate(pair, live, device)
     full_state = _OPTIMIZER_STATES[optimizer] * traced.param_bytes
@@ -203,17 +227,21 @@ def plan_model(
 
     def plan_at(graph_budget, share=optimizer_on_device):
         """The activation plan (on the residency view with parameter offload), its predicted
-        step and exposed copy seconds, and with ``"all"`` the step's timeline and split."""
+        step and exposed copy seconds, with ``"all"`` the step's timeline and split, and the
+        joint planner's choice (``None`` with parameter offload)."""
         if not chosen:
-            p = plan_window.plan(live, costs, graph_budget, min_offload_bytes)
-            return p, p.predicted_step_seconds, p.exposed_transfer_seconds, None
+            joint = plan_recompute.plan_joint(
+                pair, live, costs, graph_budget, strategy, min_offload_bytes, rng_replay=False, assume_fusion=True
+            )
+            p = joint.plan
+            return p, p.predicted_step_seconds, p.exposed_transfer_seconds, None, joint.recompute
         if offload == "all":
             split, res, _view, p = optimizer_split.plan(
                 pair, live, costs, chosen, graph_budget, min_offload_bytes, update, share
             )
             tasks = plan_window.copy_tasks(p.evictions, costs)
             timeline = param_residency.step_timeline(res, costs, tasks, update, split.device_param_bytes)
-            return p, timeline.step_seconds, timeline.exposed_seconds, (timeline, split)
+            return p, timeline.step_seconds, timeline.exposed_seconds, (timeline, split), None
         for use_windows in (True, False):
             res = param_residency.plan(
                 pair, live, costs, chosen, offload, live.live_bytes(), graph_budget, use_windows=use_windows
@@ -234,7 +262,7 @@ def plan_model(
         if total < lowest:
             rows.append(PlanRow(text, total, lowest, lowest, False, float("nan"), float("nan"), 0, 0, False))
             continue
-        p, step_s, exposed_s, extra = plan_at(graph_budget)
+        p, step_s, exposed_s, extra, rp = plan_at(graph_budget)
         timeline, split = extra if extra is not None else (None, None)
         peak = p.peak_bytes_planned + state + (split.device_state_bytes if split is not None else 0)
         rows.append(
@@ -242,7 +270,7 @@ def plan_model(
                 budget=text,
                 budget_bytes=total,
                 planned_peak_bytes=peak,
-                lowest_reachable_bytes=p.lowest_reachable_peak_bytes + state,
+                lowest_reachable_bytes=lowest,
                 feasible=p.feasible,
                 predicted_step_seconds=step_s,
                 exposed_seconds=exposed_s,
@@ -252,6 +280,11 @@ def plan_model(
                 update_seconds=timeline.update_seconds if timeline is not None else 0.0,
                 exposed_update_seconds=timeline.exposed_update_seconds if timeline is not None else 0.0,
                 device_share=split.share if split is not None else 0.0,
+                recomputed_bytes=rp.recomputed_bytes if rp else 0,
+                num_recomputed=len(rp.recomputes) if rp else 0,
+                recompute_seconds=rp.recompute_seconds if rp else 0.0,
+                recompute_flops=rp.recompute_flops if rp else 0,
+                chosen=rp.chosen if rp else "offload only",
             )
         )
     return PlanResult(
@@ -268,6 +301,7 @@ def plan_model(
         offload=offload,
         host_model_state_bytes=host,
         update=update.description if offload == "all" else "",
+        strategy=strategy if not chosen else "offload",
     )
 
 
@@ -361,6 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--optimizer-on-device", default="0", help="with --offload all: share on the device, 0.0..1.0 or auto"
     )
+    parser.add_argument(
+        "--strategy",
+        default="auto",
+        choices=plan_recompute.STRATEGIES,
+        help="how saved activations meet a budget: auto (keep, offload or recompute), offload or recompute",
+    )
     parser.add_argument("--png", default="plan_frontier.png", help="where to draw the frontier ('' for none)")
     parser.add_argument(
         "--hf", action="append", default=[], metavar="KEY=VALUE", help="config override for hf: models (repeatable)"
@@ -426,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             args.cpu_optimizer,
             args.overlap,
             share,
+            strategy=args.strategy,
         )
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -441,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(
         f"peak without offloading {format_bytes(result.unplanned_peak_bytes)}; step without offloading "
         f"{result.compute_seconds * 1e3:.1f} ms (predicted); traced in {result.trace_seconds:.1f} s, planned "
-        f"{len(result.rows)} budgets in {result.plan_seconds:.1f} s"
+        f"{len(result.rows)} budgets in {result.plan_seconds:.1f} s (strategy {result.strategy})"
     )
     if result.offload != "activations":
         console.print(
@@ -452,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"host optimizer update: {result.update}")
     table = Table()
     cols = ["budget", "budget bytes", "planned peak", "fits device", "step (pred.)", "exposed copy", "evicted"]
+    cols.append("recompute")
     if result.offload == "all":
         cols += ["host update", "exposed update", "on device"]
     for col in cols:
@@ -471,6 +513,11 @@ def main(argv: list[str] | None = None) -> int:
             step,
             exposed,
             f"{format_bytes(r.evicted_bytes)} ({r.num_evicted})" if r.feasible else "",
+            (
+                f"{format_bytes(r.recomputed_bytes)} ({r.num_recomputed}), {r.recompute_seconds * 1e3:.1f} ms"
+                if r.feasible and r.num_recomputed
+                else ("0 B" if r.feasible else "")
+            ),
             *(
                 (
                     f"{r.update_seconds * 1e3:.1f} ms" if r.feasible else "",

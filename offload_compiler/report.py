@@ -105,6 +105,14 @@ class TrinityReport:
     A report is a snapshot: the runtime check replaces the pair's report in :func:`reports` (same
     ``graph_id``) when it measures or replans; :func:`last_report` and :func:`reports` return the
     current one.
+        strategy: the ``strategy`` option (``"auto"``, ``"offload"``, ``"recompute"``).
+        recompute: the joint keep/offload/recompute planner's summary
+            (:func:`offload_compiler.passes.plan_recompute.summary`: the candidate chosen, the
+            solver and whether its greedy fallback was used, buffers recomputed, their bytes,
+            FLOPs and seconds); ``None`` when it did not run.
+        decisions: per saved activation ``(forward node, bytes, "keep" | "offload" | "recompute")``.
+        fits_without_plan: the budget is at or above the unplanned peak: nothing was planned or
+            rewritten.
     """
 
     graph_id: int
@@ -135,6 +143,10 @@ class TrinityReport:
     streams: tuple[tuple[str, int, int, float, float], ...] = ()
     measured_peak_bytes: int | None = None
     correction: MeasuredCorrection | None = None
+    strategy: str = "auto"
+    recompute: dict | None = None
+    decisions: tuple[tuple[str, int, str], ...] = ()
+    fits_without_plan: bool = False
 
     def runtime_stats(self) -> TransferStats | None:
         """Live counters of this pair's transfer runtime (host pool included), or ``None`` once
@@ -161,6 +173,22 @@ class TrinityReport:
             f"(compute {self.compute_seconds * 1e3:.3f} ms"
             + ("; one compute stream, see streams below)" if self.streams else ")"),
         ]
+        if self.fits_without_plan:
+            why = "no budget" if self.budget_bytes is None else "the budget is at or above the unplanned peak"
+            lines.insert(3, f"  plan       fits without a plan ({why})")
+        rc = self.recompute
+        if rc and rc.get("num_recomputed"):
+            solver = rc["solver"] + (" (greedy fallback: " + rc["solver_status"] + ")" if rc["fallback_used"] else "")
+            lines.append(
+                f"  recompute  {rc['num_recomputed']} of {rc['num_recomputable']} recomputable buffers, "
+                f"{format_bytes(rc['recomputed_bytes'])}; {rc['recompute_flops'] / 1e9:.3g} GFLOP, "
+                f"{rc['recompute_seconds'] * 1e3:.3f} ms in the backward (strategy {rc['strategy']}, "
+                f"chosen: {rc['chosen']}, solver {solver})"
+            )
+        elif rc and rc.get("strategy") != "offload" and not self.fits_without_plan and rc.get("fallback_used"):
+            lines.append(f"  recompute  none (greedy fallback: {rc['solver_status']})")
+        if rc and rc.get("note") and not self.fits_without_plan:
+            lines.append(f"  note       {rc['note']}")
         if self.compute_seconds > 0 and self.exposed_transfer_seconds > 0.05 * self.compute_seconds:
             lines.append(
                 f"  note       the budget is met only with {self.exposed_transfer_seconds * 1e3:.3f} ms of copies "

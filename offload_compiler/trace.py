@@ -35,12 +35,15 @@ class TracedStep:
         pair: the partitioned (forward, backward) graphs.
         param_bytes: bytes of the trainable parameters.
         num_params: number of trainable parameter elements.
+        prepared: whether the planning passes' graph preparation (tuple values, ``reorder``) has
+            run on ``pair`` (``plan_model`` does it once; reusing the trace skips it).
     """
 
     def __init__(self, pair: GraphPair, param_bytes: int, num_params: int):
         self.pair = pair
         self.param_bytes = param_bytes
         self.num_params = num_params
+        self.prepared = False
 
 
 def trace_training_step(
@@ -49,6 +52,7 @@ def trace_training_step(
     seq_len: int,
     vocab_size: int,
     dtype: torch.dtype = torch.float32,
+    joint_pass: Callable[[torch.fx.GraphModule], None] | None = None,
 ) -> TracedStep:
     """Trace ``cross_entropy(build()(idx), idx)`` forward and backward on fake tensors.
 
@@ -58,6 +62,10 @@ def trace_training_step(
         batch, seq_len: the token batch shape.
         vocab_size: ids are drawn from ``[0, vocab_size)``.
         dtype: parameter dtype (``torch.bfloat16`` for a bf16 model); the loss runs in float32.
+        joint_pass: called on the joint graph before it is partitioned (e.g. to tag nodes with
+            activation-checkpointing policies, as Dynamo does for ``torch.utils.checkpoint``); with
+            it the trace keeps node metadata (``torch.fx.traceback.preserve_node_meta``), so
+            ``torch.fx.traceback.annotate`` annotations reach ``node.meta["custom"]``.
 
     Returns:
         A :class:`TracedStep`. Parameters are marked static (AOTAutograd's parameters).
@@ -82,6 +90,8 @@ def trace_training_step(
     box: dict = {}
 
     def partition(joint, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **kw):
+        if joint_pass is not None:
+            joint_pass(joint)
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
         box["pair"] = GraphPair(fw, bw, num_fwd_outputs, tuple(range(len(params))))
         raise _Captured
@@ -91,8 +101,14 @@ def trace_training_step(
         logits = functional_call(model, {**dict(zip(pnames, ps)), **dict(zip(bnames, bs))}, (ids,))
         return F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
 
+    import contextlib
+
+    from torch.fx import traceback as fx_traceback
+
+    keep_meta = fx_traceback.preserve_node_meta() if joint_pass is not None else contextlib.nullcontext()
     try:
-        aot_function(step, fw_compiler=lambda gm, _: gm, partition_fn=partition)(*params, *buffers, idx)
+        with keep_meta:
+            aot_function(step, fw_compiler=lambda gm, _: gm, partition_fn=partition)(*params, *buffers, idx)
     except _Captured:
         pass
     if "pair" not in box:

@@ -236,7 +236,13 @@ class _Cand:
     )
 
 
-def plan(liveness: Liveness, costs: Costs, budget_bytes: int | None, min_offload_bytes: int = 0) -> Plan:
+def plan(
+    liveness: Liveness,
+    costs: Costs,
+    budget_bytes: int | None,
+    min_offload_bytes: int = 0,
+    only: frozenset[int] | None = None,
+) -> Plan:
     """Plan evictions so the simulated peak stays within ``budget_bytes`` (see module docstring).
 
     Args:
@@ -244,6 +250,8 @@ def plan(liveness: Liveness, costs: Costs, budget_bytes: int | None, min_offload
         costs: from :func:`~offload_compiler.passes.cost_model.estimate` on the same graphs.
         budget_bytes: peak device bytes allowed; ``None`` means no limit (nothing is evicted).
         min_offload_bytes: buffers smaller than this are not candidates.
+        only: when given, only these buffer ids are candidates (the joint keep/offload/recompute
+            planner, :mod:`.plan_recompute`, restricts offloading to what it chose).
 
     Returns:
         A :class:`Plan`. When the budget cannot be met, ``feasible`` is False and the plan holds
@@ -262,6 +270,8 @@ def plan(liveness: Liveness, costs: Costs, budget_bytes: int | None, min_offload
 
     cands: list[_Cand] = []
     for buf in liveness.candidates(min_offload_bytes):
+        if only is not None and buf.id not in only:
+            continue
         c = _Cand()
         c.buf = buf
         c.groups = _groups(liveness, buf.id)

@@ -10,8 +10,12 @@ Checked (transfer nodes found by op target, never by name):
 4. happens-before across streams (multi-stream graphs only; see :mod:`.happens_before`): every
    cross-stream read is ordered by an event path from its writer, and no buffer is freed while
    another stream may still read it;
-5. the peak of the rewritten pair, measured again by liveness from scratch, is within the budget
-   and equals the planner's simulated peak.
+5. recomputed nodes (``node.meta["trinity_recompute"]``, from ``insert_recompute``) are ops that
+   may be recomputed (no mutation, side effect, collective, unknown cost; a random op only as
+   ``run_with_rng_state`` on a generator state the forward saved with ``run_and_save_rng_state``);
+6. the peak of the rewritten pair, measured again by liveness from scratch (recomputed nodes are
+   backward nodes like any other there), is within the budget and equals the planner's simulated
+   peak.
 
 Reads ``node.meta["val"]``; writes nothing.
 """
@@ -121,6 +125,37 @@ def _check_backward(bw: fx.GraphModule) -> list[str]:
     return errors
 
 
+def _check_recompute(pair: GraphPair) -> list[str]:
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    from .insert_recompute import RECOMPUTE_KEY
+    from .recompute_chains import refusal
+
+    errors = []
+    fw_outputs = {n.name: n for n in pair.fw_outputs() if isinstance(n, fx.Node)}
+    for n in pair.backward.graph.nodes:
+        if RECOMPUTE_KEY not in n.meta:
+            continue
+        if n.op == "call_function" and n.target is run_with_rng_state:
+            state = n.args[0]
+            src = fw_outputs.get(state.name) if isinstance(state, fx.Node) else None
+            if (
+                not isinstance(state, fx.Node)
+                or state.op != "placeholder"
+                or src is None
+                or src.target is not operator.getitem
+                or getattr(src.args[0], "target", None) is not run_and_save_rng_state
+            ):
+                errors.append(
+                    f"backward: recomputed random op {n.name!r} does not replay a generator state the forward saved"
+                )
+            continue
+        why = refusal(n, rng_replay=False)
+        if why is not None:
+            errors.append(f"backward: recomputed node {n.name!r} may not be recomputed: {why}")
+    return errors
+
+
 def verify(
     pair: GraphPair,
     budget_bytes: int | None,
@@ -135,6 +170,7 @@ def verify(
         VerificationError: listing every broken invariant.
     """
     errors = _check_forward(pair.forward, pair.fw_outputs()) + _check_backward(pair.backward)
+    errors += _check_recompute(pair)
     for name, gm in (("forward", pair.forward), ("backward", pair.backward)):
         if happens_before.has_streams(gm):
             errors += happens_before.check_streams(gm, name)

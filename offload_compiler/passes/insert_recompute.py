@@ -1,0 +1,273 @@
+"""Rewrite: recompute chosen saved activations in the backward instead of saving them.
+
+For each recomputed buffer (a :class:`~.recompute_chains.Chain`), in place:
+
+* the forward stops returning its saved views (and the backward loses their placeholders), so
+  the forward frees the buffer after its last forward reader;
+* the chain's forward nodes are duplicated into the backward as plain FX nodes (``node_copy``,
+  the same ops on the same arguments), placed right before the first backward node that reads
+  one of the saved views, or before the first recomputation that reads them as a leaf (a chain
+  that depends on another recomputed buffer finds it rebuilt first); the inner compiler fuses
+  them like any other backward node;
+* leaves the backward did not receive become new saved values: a parameter or input is appended
+  to the forward's saved tensors and gets a backward placeholder of the same name (the
+  partitioner's convention that binds them, see ``graph_pair.py``);
+* a random op on a chain is replayed bit-identically: in the forward it becomes
+  ``run_and_save_rng_state(op, ...)``, which returns the generator state it ran with (a new saved
+  value, ``<node>_rng_state``) and the op's result; the backward copy is
+  ``run_with_rng_state(state, op, ...)`` (``torch._prims.rng_prims``).
+
+Nodes are matched by name only to bind the forward to the backward (as AOTAutograd does) and to
+find the chain's nodes; inserted nodes are recognised by ``node.meta["trinity_recompute"]``.
+
+Reads ``node.meta["val"]``. Writes, on inserted nodes: ``node.meta["val"]`` (the forward's fake
+values, as the partitioner does for the nodes it recomputes), ``node.meta["tensor_meta"]``,
+``node.meta["trinity"]`` (a description for dumps), ``node.meta["trinity_recompute"]`` (the
+liveness buffer id the node rebuilds) and ``node.meta["autograd_backward"]``; on the forward's
+output node ``meta["desc"]`` (AOTAutograd's output descriptors, kept aligned with the outputs).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from ..graph_pair import GraphPair, fake_mode_of
+from .insert_transfers import _set_val
+from .liveness import Liveness
+from .recompute_chains import RNG_STATE_SUFFIX, Chain
+
+__all__ = ["apply", "RECOMPUTE_KEY", "copy_pair"]
+
+RECOMPUTE_KEY = "trinity_recompute"
+
+
+class _DetachedGraph:
+    """A graph without a module: what the analyses read (``.graph``), without generating code."""
+
+    def __init__(self, graph: fx.Graph, meta: dict):
+        self.graph = graph
+        self.meta = meta
+
+    def recompile(self) -> None:
+        pass
+
+
+def copy_pair(pair: GraphPair) -> GraphPair:
+    """A copy of ``pair`` with new graphs (same node names, same ``meta`` values: the fake
+    tensors are shared, so aliasing analysis sees the same storages) that a rewrite may change
+    without touching ``pair``. The copies are bare graphs (no Python code is generated): enough
+    for liveness, the cost model and this rewrite, not for running."""
+
+    def copy_gm(gm: fx.GraphModule) -> _DetachedGraph:
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for n in gm.graph.nodes:
+            env[n] = graph.node_copy(n, lambda x: env[x])
+        graph._codegen = gm.graph._codegen
+        return _DetachedGraph(graph, dict(getattr(gm, "meta", {})))
+
+    return GraphPair(copy_gm(pair.forward), copy_gm(pair.backward), pair.num_fwd_outputs, pair.static_input_indices)
+
+
+def _rng_state_val(device: torch.device, fake_mode):
+    """A fake value shaped like the generator state of ``device`` (a CPU uint8 tensor)."""
+    if device.type == "cuda":
+        shape = torch.cuda.get_rng_state(device).shape
+    else:
+        shape = torch.get_rng_state().shape
+    with fake_mode:
+        return torch.empty(shape, dtype=torch.uint8, device="cpu")
+
+
+def _saved_desc(i: int):
+    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+
+    return SavedForBackwardsAOTOutput(i)
+
+
+def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain]) -> dict[str, int]:
+    """Recompute ``chains`` in the backward of ``pair`` (in place; see the module docstring) and
+    recompile both graphs.
+
+    Args:
+        pair: the graphs ``liveness`` (and the chains) were computed on, not rewritten yet.
+        liveness: their liveness (names of saved views and their placeholders).
+        chains: the buffers to recompute (from :func:`.recompute_chains.analyze`).
+
+    Returns:
+        Counts: ``{"recomputed_buffers", "recompute_nodes", "new_saved", "rng_replays"}``.
+
+    Raises:
+        ValueError: if a chain refers to nodes that are not in these graphs.
+    """
+    counts = {"recomputed_buffers": 0, "recompute_nodes": 0, "new_saved": 0, "rng_replays": 0}
+    if not chains:
+        return counts
+    fw, bw = pair.forward.graph, pair.backward.graph
+    fw_by_name = {n.name: n for n in fw.nodes}
+    bw_ph = {n.name: n for n in bw.find_nodes(op="placeholder")}
+    fake_mode = fake_mode_of(pair.forward, pair.backward)
+    recomputed = {c.buffer for c in chains}
+    saved_fw = {c.buffer: [liveness.saved[i].fw_node for i in c.saved] for c in chains}
+    saved_bw = {c.buffer: [liveness.saved[i].bw_node for i in c.saved] for c in chains}
+    for c in chains:
+        for name in c.nodes:
+            if name not in fw_by_name:
+                raise ValueError(f"insert_recompute: chain node {name!r} is not in the forward graph")
+        for name in saved_bw[c.buffer]:
+            if name not in bw_ph:
+                raise ValueError(f"insert_recompute: saved placeholder {name!r} is not in the backward graph")
+
+    # 1. Random ops on a chain: run them under run_and_save_rng_state in the forward.
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    rng_nodes = sorted({n for c in chains for n in c.rng_nodes}, key=list(fw_by_name).index)
+    rng_orig: dict[str, tuple] = {}  # name -> (op, args, kwargs, value) of the replaced random op
+    rng_result: dict[str, str] = {}  # name of the forward node that now holds its value -> its name
+    for name in rng_nodes:
+        node = fw_by_name[name]
+        val = node.meta["val"]
+        first = val[0] if isinstance(val, (tuple, list)) else val
+        state_val = _rng_state_val(first.device, fake_mode)
+        with fw.inserting_before(node):
+            both = fw.call_function(run_and_save_rng_state, (node.target, *node.args), dict(node.kwargs))
+            both.meta["val"] = (state_val, val)
+            state = fw.create_node("call_function", operator.getitem, (both, 0), name=name + RNG_STATE_SUFFIX)
+            _set_val(state, state_val)
+            result = fw.call_function(operator.getitem, (both, 1))
+            result.meta["val"] = val
+        for n in (both, state, result):
+            n.meta["trinity"] = f"generator state saved for the recomputation of {name}"
+        rng_orig[name] = (node.target, node.args, dict(node.kwargs), val)
+        rng_result[result.name] = name
+        node.replace_all_uses_with(result)
+        fw.erase_node(node)
+        fw_by_name[name] = result  # the op's value, for the forward's own readers
+        fw_by_name[state.name] = state
+        counts["rng_replays"] += 1
+
+    # 2. New saved values (leaves the backward did not receive).
+    out_node = pair.fw_output_node()
+    outputs = list(pair.fw_outputs())
+    descs = list(out_node.meta.get("desc") or [])
+    tensor_positions = [
+        i
+        for i in range(pair.num_fwd_outputs, len(outputs))
+        if isinstance(outputs[i], fx.Node)
+        and isinstance(outputs[i].meta.get("val"), torch.Tensor)
+        and not outputs[i].meta.get("saved_tensor_with_no_vc_check", False)
+    ]
+    insert_at = (tensor_positions[-1] + 1) if tensor_positions else pair.num_fwd_outputs
+    after_ph = bw_ph[outputs[tensor_positions[-1]].name] if tensor_positions else None
+    if after_ph is None:
+        after_ph = next(iter(bw.find_nodes(op="placeholder")))
+    new_links: list[str] = []
+    for c in chains:
+        for leaf in c.leaves:
+            if leaf.bw_node is None and leaf.fw_node not in bw_ph and leaf.fw_node not in new_links:
+                new_links.append(leaf.fw_node)
+    for name in new_links:
+        src = fw_by_name[name]
+        outputs.insert(insert_at, src)
+        if descs:
+            descs.insert(insert_at, _saved_desc(insert_at - pair.num_fwd_outputs))
+        insert_at += 1
+        with bw.inserting_after(after_ph):
+            ph = bw.placeholder(name)
+        if ph.name != name:
+            raise ValueError(f"insert_recompute: the backward already has a node named {name!r}")
+        _set_val(ph, src.meta["val"])
+        ph.meta["trinity"] = "saved for a recomputation"
+        bw_ph[name] = ph
+        after_ph = ph
+        counts["new_saved"] += 1
+
+    # 3. Where each chain goes: before the first backward reader of its saved views, or earlier
+    #    when a recomputation that reads it as a leaf comes first.
+    order = {n: i for i, n in enumerate(bw.nodes)}
+    end = len(order)
+
+    def first_reader(names) -> int:
+        pos = [order[u] for name in names for u in bw_ph[name].users]
+        return min(pos) if pos else end
+
+    anchor = {c.buffer: first_reader(saved_bw[c.buffer]) for c in chains}
+    changed = True
+    while changed:
+        changed = False
+        for c in chains:
+            for dep in c.depends_on:
+                if dep in recomputed and anchor[dep] > anchor[c.buffer]:
+                    anchor[dep] = anchor[c.buffer]
+                    changed = True
+    bw_nodes = list(bw.nodes)
+    fw_pos = {n.name: i for i, n in enumerate(fw.nodes)}
+    env: dict[str, fx.Node] = {}
+    for c in sorted(chains, key=lambda c: (anchor[c.buffer], min(fw_pos.get(n, 0) for n in saved_fw[c.buffer]))):
+        if anchor[c.buffer] >= end:
+            raise ValueError(f"insert_recompute: buffer {c.buffer} has no backward reader")
+        at = bw_nodes[anchor[c.buffer]]
+        what = ", ".join(saved_fw[c.buffer])
+
+        def arg(n: fx.Node) -> fx.Node:
+            key = rng_result.get(n.name, n.name)
+            if key in env:
+                return env[key]
+            if n.name in bw_ph:
+                return bw_ph[n.name]
+            raise ValueError(f"insert_recompute: {n.name!r} is neither recomputed nor saved")
+
+        for name in c.nodes:
+            if name in env:
+                continue
+            with bw.inserting_before(at):
+                if name in rng_orig:
+                    op, op_args, op_kwargs, val = rng_orig[name]
+                    state = bw_ph[name + RNG_STATE_SUFFIX]
+                    new = bw.call_function(
+                        run_with_rng_state, (state, op, *fx.node.map_arg(op_args, arg)), fx.node.map_arg(op_kwargs, arg)
+                    )
+                    new.meta["val"] = val
+                else:
+                    new = bw.node_copy(fw_by_name[name], arg)
+            new.meta["trinity"] = f"recomputed for saved {what}"
+            new.meta[RECOMPUTE_KEY] = c.buffer
+            new.meta["autograd_backward"] = True
+            env[name] = new
+            counts["recompute_nodes"] += 1
+        counts["recomputed_buffers"] += 1
+
+    # 4. The saved views' readers read the recomputed values; the saved outputs go.
+    drop = set()
+    for c in chains:
+        for fname, bname in zip(saved_fw[c.buffer], saved_bw[c.buffer]):
+            ph = bw_ph.pop(bname)
+            ph.replace_all_uses_with(env[fname])
+            bw.erase_node(ph)
+            drop.add(fname)
+    keep = [
+        (i, o)
+        for i, o in enumerate(outputs)
+        if not (i >= pair.num_fwd_outputs and isinstance(o, fx.Node) and o.name in drop)
+    ]
+    out_node.args = (tuple(o for _, o in keep),) + tuple(out_node.args[1:])
+    if descs:
+        new_descs = []
+        k = 0
+        for i, _ in keep:
+            d = descs[i]
+            if i >= pair.num_fwd_outputs and type(d).__name__.startswith("SavedForBackwards"):
+                d = type(d)(k)
+                k += 1
+            new_descs.append(d)
+        out_node.meta["desc"] = new_descs
+    fw.eliminate_dead_code()
+    for gm in (pair.forward, pair.backward):
+        if not isinstance(gm, _DetachedGraph):
+            gm.graph.lint()
+        gm.recompile()
+    return counts

@@ -1,0 +1,390 @@
+"""The joint keep/offload/recompute planner, its chains and its rewrite, on hand-built graphs.
+
+The main graph is a GELU MLP (4 layers, width 32, batch 64, fp32): per layer the partitioner
+saves the matmul output ``mm_i`` (for ``gelu_backward``) and the GELU output's transpose ``t_*``
+(for the next weight's gradient), 8 KiB each. The GELU output's chain is one pointwise op on the
+saved matmul output (cheap); a matmul output's chain is the matmul itself (expensive).
+
+Two device figures make the choice clear-cut:
+
+* ``SLOW_LINK``: 1 MB/s each way, so an 8 KiB copy takes 8 ms against ~2 ms of compute: copies
+  would be exposed, recomputing GELU costs microseconds;
+* ``SLOW_COMPUTE``: 1 MFLOP/s, so a 64x32x32 matmul takes 0.13 s, and a terabyte-per-second link
+  hides every copy.
+"""
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from offload_compiler.graph_pair import GraphPair
+from offload_compiler.passes import insert_recompute, liveness, plan_recompute, recompute_chains
+
+from ._pass_helpers import analyze, run_pair, spec
+from .graphs import capture_pair
+
+SLOW_LINK = spec(h2d_bytes_per_s=1e6, d2h_bytes_per_s=1e6)
+SLOW_COMPUTE = spec(flops_fp32=1e6, hbm_bytes_per_s=1e12, h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12)
+D, N, L = 32, 64, 4
+
+
+def gelu_mlp(*args):
+    *ws, h = args
+    for w in ws:
+        h = F.gelu(h @ w)
+    return h.sum()
+
+
+def gelu_mlp_inputs():
+    torch.manual_seed(0)
+    return [torch.randn(D, D) * 0.3 for _ in range(L)] + [torch.randn(N, D)]
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    inputs = gelu_mlp_inputs()
+    ws = [w.clone().requires_grad_(True) for w in inputs[:-1]]
+    return capture_pair(gelu_mlp, *ws, inputs[-1], static=tuple(range(L)))
+
+
+def saved_by_name(live):
+    return {s.fw_node: s for s in live.saved}
+
+
+def decisions(joint) -> dict[str, str]:
+    return {name: d for name, _b, d in plan_recompute.decisions(joint)}
+
+
+# ---------------------------------------------------------------------------- chains
+def test_chains_of_the_gelu_mlp(mlp):
+    live, costs = analyze(mlp, SLOW_LINK)
+    chains = {
+        tuple(live.saved[i].fw_node for i in c.saved): c for c in recompute_chains.analyze(mlp, live, costs).chains
+    }
+    # Every saved activation buffer has a chain: 4 matmul outputs, 3 GELU outputs (the last
+    # layer's GELU output is not saved: only sum reads it).
+    assert len(chains) == 7
+    gelu = chains[("t_4",)]
+    assert gelu.nodes == ("gelu", "t_4")
+    assert [(leaf.fw_node, leaf.kind, leaf.bw_node) for leaf in gelu.leaves] == [("mm", "saved", "mm")]
+    assert gelu.depends_on == (live.saved[saved_by_name(live)["mm"].index].buffer,)
+    # Its seconds are the cost model's for those nodes; GELU has no FLOP formula.
+    steps = [live.step_named("forward", n) for n in gelu.nodes]
+    assert gelu.seconds == pytest.approx(sum(costs.step_seconds[s] for s in steps), rel=1e-12)
+    # GELU has no FLOP formula; its output is the buffer itself (t_4 is a view of it).
+    assert gelu.flops == 0 and gelu.transient_bytes == 0
+    mm1 = chains[("mm_1",)]
+    assert mm1.nodes == ("gelu", "mm_1")
+    kinds = {leaf.fw_node: (leaf.kind, leaf.bw_node) for leaf in mm1.leaves}
+    # The weight is not saved for the backward (its transpose is): a new saved value.
+    assert kinds == {"mm": ("saved", "mm"), "primals_2": ("parameter", None)}
+    assert mm1.flops == 2 * N * D * D
+    assert mm1.transient_bytes == N * D * 4  # the GELU output the matmul reads
+    assert mm1.recompute_before == live.buffers[mm1.buffer].first_bw_use
+
+
+def test_random_ops_are_recomputed_only_with_their_state_replayed():
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    pair = capture_pair(lambda w, x: F.dropout(torch.tanh(x @ w), 0.5, True).sum(), w, torch.randn(8, 16), static=(0,))
+    live, costs = analyze(pair)
+    mask = live.saved[[s.fw_node for s in live.saved].index("getitem_1")].buffer
+    refused = dict(recompute_chains.analyze(pair, live, costs, rng_replay=False).refused)
+    assert "random" in refused[mask] and "native_dropout" in refused[mask]
+    chain = recompute_chains.analyze(pair, live, costs, rng_replay=True).by_buffer()[mask]
+    assert chain.rng_nodes == ("native_dropout",)
+    assert ("native_dropout_rng_state", "rng state") in [(leaf.fw_node, leaf.kind) for leaf in chain.leaves]
+
+
+def _one_node_graph(target, args_vals, build_args):
+    g = fx.Graph()
+    phs = []
+    for i, v in enumerate(args_vals):
+        ph = g.placeholder(f"x{i}")
+        ph.meta["val"] = v
+        phs.append(ph)
+    node = g.call_function(target, build_args(phs))
+    node.meta["val"] = torch.empty(2)
+    g.output(node)
+    return node
+
+
+@pytest.mark.parametrize(
+    "target, build, expected",
+    [
+        (torch.ops.aten.add_.Tensor, lambda p: (p[0], p[1]), "mutates"),
+        (torch.ops.aten._assert_scalar.default, lambda p: (True, "msg"), "side effects"),
+        (
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            lambda p: (p[0], p[0], p[0], 0.0, True),
+            "no known cost",
+        ),
+        (torch.ops.aten.bernoulli.default, lambda p: (p[0],), "random"),
+    ],
+)
+def test_ops_that_are_never_recomputed(target, build, expected):
+    node = _one_node_graph(target, [torch.empty(2), torch.empty(2)], build)
+    why = recompute_chains.refusal(node, rng_replay=False)
+    assert why is not None and expected in why, why
+    if expected == "random":  # recomputed once its generator state is replayed
+        assert recompute_chains.refusal(node, rng_replay=True) is None
+
+
+def test_collectives_are_never_recomputed():
+    pytest.importorskip("torch.distributed")
+    if not hasattr(torch.ops, "_c10d_functional") or not hasattr(torch.ops._c10d_functional, "all_reduce"):
+        pytest.skip("no functional collectives in this torch")
+    node = _one_node_graph(
+        torch.ops._c10d_functional.all_reduce.default, [torch.empty(2)], lambda p: (p[0], "sum", "0")
+    )
+    why = recompute_chains.refusal(node, rng_replay=True)
+    assert why is not None and "collective" in why
+
+
+def test_known_recomputable_ops():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4)
+    for target, args in (
+        (torch.ops.aten.mm.default, (x, x)),  # FLOP formula
+        (torch.ops.aten.gelu.default, (x,)),  # pointwise
+        (torch.ops.aten.t.default, (x,)),  # a view
+        (torch.ops.aten._log_softmax.default, (x, 1, False)),  # listed memory-bound op
+    ):
+        n = g.call_function(target, args)
+        n.meta["val"] = torch.empty(4, 4)
+        assert recompute_chains.refusal(n, rng_replay=False) is None, target
+
+
+# ---------------------------------------------------------------------------- the planner
+def test_cheap_elementwise_chain_is_recomputed_not_offloaded_when_copies_would_be_exposed(mlp):
+    live, costs = analyze(mlp, SLOW_LINK)
+    budget = int(0.9 * live.peak_bytes)
+    offload_only = plan_recompute.plan_joint(mlp, live, costs, budget, "offload", 0)
+    assert offload_only.plan.feasible and offload_only.plan.exposed_transfer_seconds > 0  # copies would be exposed
+    joint = plan_recompute.plan_joint(mlp, live, costs, budget, "auto", 0)
+    assert joint.plan.feasible and joint.plan.peak_bytes_planned <= budget
+    got = decisions(joint)
+    recomputed = {n for n, d in got.items() if d == "recompute"}
+    assert recomputed and recomputed <= {"t", "t_2", "t_4"}, got  # GELU outputs, not matmuls
+    assert "offload" not in got.values(), got
+    assert joint.plan.exposed_transfer_seconds == 0.0
+    assert joint.plan.predicted_step_seconds < offload_only.plan.predicted_step_seconds
+    # The recomputation is in the predicted step: compute grew by exactly the chains' seconds.
+    rc = joint.recompute
+    assert rc.recompute_seconds == pytest.approx(sum(r.seconds for r in rc.recomputes))
+    assert joint.plan.compute_seconds == pytest.approx(costs.compute_seconds + rc.recompute_seconds, rel=1e-9)
+
+
+def test_matmul_output_is_offloaded_not_recomputed_when_its_copy_hides(mlp):
+    live, costs = analyze(mlp, SLOW_COMPUTE)
+    budget = int(0.75 * live.peak_bytes)
+    joint = plan_recompute.plan_joint(mlp, live, costs, budget, "auto", 0)
+    assert joint.plan.feasible and joint.plan.peak_bytes_planned <= budget
+    got = decisions(joint)
+    matmuls = {"mm", "mm_1", "mm_2", "mm_3"}
+    assert any(got[m] == "offload" for m in matmuls), got
+    assert not any(got[m] == "recompute" for m in matmuls), got
+    assert joint.plan.exposed_transfer_seconds == 0.0  # the copies hide
+    assert joint.plan.predicted_step_seconds == pytest.approx(costs.compute_seconds, rel=1e-9)
+
+
+@pytest.mark.parametrize("budget", ["none", "peak", "above"])
+def test_budget_at_or_above_the_unplanned_peak_gives_an_empty_plan(mlp, budget):
+    live, costs = analyze(mlp, SLOW_LINK)
+    b = {"none": None, "peak": live.peak_bytes, "above": live.peak_bytes + 1}[budget]
+    nodes_before = [(n.name, n.target) for gm in (mlp.forward, mlp.backward) for n in gm.graph.nodes]
+    joint = plan_recompute.plan_joint(mlp, live, costs, b, "auto", 0)
+    rp = joint.recompute
+    assert rp.fits_without_plan and rp.chosen == "none" and rp.note == "fits without a plan"
+    assert rp.recomputes == () and joint.chains == () and joint.plan.evictions == ()
+    assert rp.solver == "none" and rp.num_recomputable == 0  # nothing was even analysed
+    assert joint.liveness is live and joint.plan.peak_bytes_planned == live.peak_bytes
+    assert set(d for _n, _b, d in plan_recompute.decisions(joint)) == {"keep"}
+    assert [(n.name, n.target) for gm in (mlp.forward, mlp.backward) for n in gm.graph.nodes] == nodes_before
+
+
+@pytest.mark.parametrize("device", [SLOW_LINK, SLOW_COMPUTE])
+@pytest.mark.parametrize("fraction", [0.9, 0.75, 0.6])
+def test_auto_is_at_least_as_fast_as_either_single_strategy(mlp, device, fraction):
+    live, costs = analyze(mlp, device)
+    budget = int(fraction * live.peak_bytes)
+    plans = {s: plan_recompute.plan_joint(mlp, live, costs, budget, s, 0).plan for s in plan_recompute.STRATEGIES}
+    assert plans["offload"].evictions or not plans["offload"].feasible
+    assert not plans["recompute"].evictions
+    feasible = [plans[s].predicted_step_seconds for s in ("offload", "recompute") if plans[s].feasible]
+    if feasible:
+        assert plans["auto"].feasible
+        assert plans["auto"].predicted_step_seconds <= min(feasible) * (1 + 1e-9)
+    for p in plans.values():
+        assert not p.feasible or p.peak_bytes_planned <= budget
+
+
+def test_the_final_plan_is_exact_on_the_rewritten_graphs(mlp):
+    """The planned peak is what liveness measures on the graphs with the recomputation applied
+    (the verifier checks the same on the real graphs)."""
+    live, costs = analyze(mlp, SLOW_LINK)
+    joint = plan_recompute.plan_joint(mlp, live, costs, int(0.75 * live.peak_bytes), "auto", 0)
+    assert joint.chains
+    copy = insert_recompute.copy_pair(mlp)
+    insert_recompute.apply(copy, live, joint.chains)
+    again = liveness.analyze(copy)
+    from offload_compiler.passes import plan_window
+
+    assert int(plan_window.planned_live_bytes(again, joint.plan.evictions).max()) == joint.plan.peak_bytes_planned
+    assert joint.rewritten_names == (
+        tuple(n.name for n in copy.forward.graph.nodes),
+        tuple(n.name for n in copy.backward.graph.nodes),
+    )
+
+
+def test_greedy_fallback_without_the_solver(mlp, monkeypatch):
+    live, costs = analyze(mlp, SLOW_LINK)
+    budget = int(0.75 * live.peak_bytes)
+    forced = plan_recompute.plan_joint(mlp, live, costs, budget, "auto", 0, use_solver=False)
+    assert forced.recompute.solver == "greedy" and forced.recompute.fallback_used
+    assert forced.recompute.solver_status == "solver off"
+    assert forced.plan.feasible and forced.recompute.recomputes
+    monkeypatch.setattr(plan_recompute, "have_solver", lambda: False)
+    missing = plan_recompute.plan_joint(mlp, live, costs, budget, "auto", 0)
+    assert missing.recompute.solver == "greedy" and missing.recompute.fallback_used
+    assert missing.recompute.solver_status == "highspy is not installed"
+    assert missing.plan.feasible
+
+
+@pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
+def test_solver_used_and_bounded_by_its_time_limit(mlp):
+    live, costs = analyze(mlp, SLOW_LINK)
+    joint = plan_recompute.plan_joint(mlp, live, costs, int(0.75 * live.peak_bytes), "auto", 0, time_limit_s=0.2)
+    rp = joint.recompute
+    assert rp.solver == "highs" and not rp.fallback_used, rp.solver_status
+    assert "Optimal" in rp.solver_status or "Time limit" in rp.solver_status
+    assert rp.solver_seconds < 2.0  # two solves, each under the limit left (plus model building)
+
+
+def test_unknown_strategy_is_refused(mlp):
+    live, costs = analyze(mlp)
+    with pytest.raises(ValueError, match="unknown strategy 'fast'.*auto, offload, recompute"):
+        plan_recompute.plan_joint(mlp, live, costs, 1, "fast", 0)
+
+
+def test_recompute_view_of_one_chain_matches_the_rewritten_liveness(mlp):
+    """For a chain whose leaves stay live anyway, the view (stage 2) is the rewritten graph's
+    liveness step for step, up to where the recomputation sits: the view counts its
+    intermediates and its output at the reader's step, the graph one node earlier."""
+    live, costs = analyze(mlp, SLOW_LINK)
+    analysis = recompute_chains.analyze(mlp, live, costs)
+    chain = next(c for c in analysis.chains if [live.saved[i].fw_node for i in c.saved] == ["t_2"])
+    view, vcosts = plan_recompute.recompute_view(live, costs, analysis.by_buffer(), {chain.buffer})
+    copy = insert_recompute.copy_pair(mlp)
+    insert_recompute.apply(copy, live, [chain])
+    exact = liveness.analyze(copy)
+    assert exact.peak_bytes <= view.peak_bytes  # the view never under-counts
+    assert vcosts.compute_seconds == pytest.approx(costs.compute_seconds + chain.seconds, rel=1e-12)
+    # Forward: identical (the buffer is freed after its last forward reader in both).
+    F_ = live.num_fw_steps
+    assert list(view.live_bytes()[: F_ - 1]) == list(exact.live_bytes()[: F_ - 1])
+
+
+# ---------------------------------------------------------------------------- the rewrite
+def dropout_ln_mlp(w1, w2, lw, x):
+    h = F.layer_norm(x @ w1, (w1.shape[1],), lw)
+    h = F.dropout(F.gelu(h), 0.3, training=True)
+    return torch.tanh(h @ w2).sum()
+
+
+def test_rewrite_is_bit_identical_with_random_ops_replayed():
+    torch.manual_seed(0)
+    w1, w2, lw, x = torch.randn(16, 32), torch.randn(32, 16), torch.randn(32), torch.randn(8, 16)
+    params = [t.clone().requires_grad_(True) for t in (w1, w2, lw)]
+    pair = capture_pair(dropout_ln_mlp, *params, x, static=(0, 1, 2))
+    live, costs = analyze(pair)
+    analysis = recompute_chains.analyze(pair, live, costs, rng_replay=True)
+    assert any(c.rng_nodes for c in analysis.chains)
+    torch.manual_seed(7)
+    _, _, ref = run_pair(pair, [w1, w2, lw, x])
+    copy = insert_recompute.copy_pair(pair)
+    counts = insert_recompute.apply(copy, live, analysis.chains)
+    assert counts["recomputed_buffers"] == len(analysis.chains) and counts["rng_replays"] == 1
+    fw = fx.GraphModule(pair.forward, copy.forward.graph)
+    bw = fx.GraphModule(pair.backward, copy.backward.graph)
+    rewritten = GraphPair(fw, bw, pair.num_fwd_outputs, pair.static_input_indices)
+    torch.manual_seed(7)
+    _, _, got = run_pair(rewritten, [w1, w2, lw, x])
+    for a, b in zip(ref, got):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
+    # Bookkeeping AOTAutograd relies on: every saved value has its placeholder (by name), the
+    # output descriptors stay aligned, recomputed nodes are marked.
+    links = rewritten.saved_links()
+    assert links and all(link.bw_placeholder is not None for link in links)
+    out = rewritten.fw_output_node()
+    if out.meta.get("desc"):
+        assert len(out.meta["desc"]) == len(rewritten.fw_outputs())
+        saved_descs = out.meta["desc"][pair.num_fwd_outputs :]
+        assert [d.idx for d in saved_descs] == list(range(len(saved_descs)))
+    marked = [n for n in bw.graph.nodes if insert_recompute.RECOMPUTE_KEY in n.meta]
+    assert marked and all(n.op == "call_function" for n in marked)
+    replay = [n for n in marked if n.target is torch._prims.rng_prims.run_with_rng_state]
+    assert len(replay) == 1 and replay[0].args[0].name == "native_dropout_rng_state"
+    states = [n for n in fw.graph.nodes if n.target is operator.getitem and n.name == "native_dropout_rng_state"]
+    assert len(states) == 1 and states[0] in rewritten.fw_outputs()
+
+
+def test_liveness_of_the_recomputed_graphs(mlp):
+    """After the rewrite the forward frees the buffer after its last forward reader (it is no
+    longer saved) and the backward holds a fresh temporary from the recomputation to the last
+    reader; the verifier accepts the rewritten pair and re-measures the same peak."""
+    from offload_compiler.passes import verify
+
+    live, costs = analyze(mlp, SLOW_LINK)
+    analysis = recompute_chains.analyze(mlp, live, costs)
+    chain = next(c for c in analysis.chains if [live.saved[i].fw_node for i in c.saved] == ["t_2"])
+    copy = insert_recompute.copy_pair(mlp)
+    insert_recompute.apply(copy, live, [chain])
+    after = liveness.analyze(copy)
+    F_ = after.num_fw_steps
+    assert "t_2" not in {s.fw_node for s in after.saved}
+    fw_buf = next(b for b in after.buffers if "forward:gelu_1" in b.nodes)
+    assert fw_buf.kind is liveness.BufferKind.TEMPORARY and fw_buf.last_step < F_
+    marked = [n.name for n in copy.backward.graph.nodes if insert_recompute.RECOMPUTE_KEY in n.meta]
+    assert len(marked) == len(chain.nodes)
+    bw_buf = next(b for b in after.buffers if f"backward:{marked[0]}" in b.nodes)
+    assert bw_buf.kind is liveness.BufferKind.TEMPORARY and bw_buf.def_step >= F_
+    assert bw_buf.size_bytes == chain.size_bytes
+    # The backward's readers of the old saved view now read the recomputed one.
+    reader_steps = [s for s in bw_buf.use_steps if s > bw_buf.def_step]
+    assert reader_steps and max(reader_steps) == bw_buf.last_step
+    rewritten = GraphPair(
+        fx.GraphModule(mlp.forward, copy.forward.graph),
+        fx.GraphModule(mlp.backward, copy.backward.graph),
+        mlp.num_fwd_outputs,
+        mlp.static_input_indices,
+    )
+    assert verify.verify(rewritten, None, expected_peak_bytes=after.peak_bytes) == after.peak_bytes
+
+
+def test_verifier_refuses_a_recomputed_op_that_may_not_be(mlp):
+    from offload_compiler.passes import verify
+
+    live, costs = analyze(mlp, SLOW_LINK)
+    analysis = recompute_chains.analyze(mlp, live, costs)
+    chain = next(c for c in analysis.chains if [live.saved[i].fw_node for i in c.saved] == ["t_2"])
+    copy = insert_recompute.copy_pair(mlp)
+    insert_recompute.apply(copy, live, [chain])
+    bw = fx.GraphModule(mlp.backward, copy.backward.graph)
+    gelu = next(
+        n
+        for n in bw.graph.nodes
+        if insert_recompute.RECOMPUTE_KEY in n.meta and n.target is torch.ops.aten.gelu.default
+    )
+    gelu.target = torch.ops.aten.bernoulli.default  # a random op, not replayed
+    gelu.args = gelu.args[:1]
+    bw.recompile()
+    pair = GraphPair(fx.GraphModule(mlp.forward, copy.forward.graph), bw, mlp.num_fwd_outputs, mlp.static_input_indices)
+    with pytest.raises(verify.VerificationError, match="may not be recomputed.*random"):
+        verify.verify(pair, None)

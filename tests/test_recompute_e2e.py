@@ -1,0 +1,207 @@
+"""End to end with recomputation chosen: bit-identical to eager's compile (``inner="eager"`` against
+``aot_eager``), the measured peak within the budget, and the report and dumps saying what was
+recomputed.
+
+Recomputation is forced with ``strategy="recompute"`` (keep or recompute, never offload), or
+chosen by ``strategy="auto"`` on device figures with a slow host link, where copies would be
+exposed and recomputing is cheaper.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import offload_compiler
+from offload_compiler import measure_peak_device_bytes
+
+from . import models
+from .test_e2e import PEAK_SLACK_BYTES, SideBySide, assert_same
+
+SLOW_LINK = {"h2d_bytes_per_s": 1e7, "d2h_bytes_per_s": 1e7}
+
+
+class DropoutMLP(nn.Module):
+    """Linear, LayerNorm, GELU, dropout per layer: random ops on the recompute chains."""
+
+    def __init__(self, d=64, depth=6, p=0.25):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(depth))
+        self.p = p
+        self.head = nn.Linear(d, 16)
+
+    def forward(self, x, y):
+        for lin, norm in zip(self.lins, self.norms):
+            x = x + F.dropout(F.gelu(norm(lin(x))), self.p, self.training)
+        return F.cross_entropy(self.head(x), y)
+
+
+def dropout_batch(n=512):
+    return torch.randn(n, 64), torch.randint(0, 16, (n,))
+
+
+def recomputed(sbs) -> int:
+    return sum(r.recompute["num_recomputed"] for r in sbs.reports() if r.recompute)
+
+
+def seeded_step(sbs, batch, seed):
+    """A step of both models from the same generator state (dropout draws the same masks)."""
+    sbs.sync()
+    torch.manual_seed(seed)
+    ref = sbs.ref(*batch)
+    ref.backward()
+    torch.manual_seed(seed)
+    loss = sbs.compiled(*batch)
+    loss.backward()
+    assert_same(loss.detach(), ref.detach(), sbs.exact, "loss")
+    sbs.check_grads()
+    # The backward's replay restored the generator: both models left it in the same state.
+    a = torch.rand(4)
+    torch.manual_seed(seed)
+    sbs.ref(*batch).backward()
+    b = torch.rand(4)
+    assert torch.equal(a, b), "the generator state after the step differs from the reference's"
+    sbs.model.zero_grad(set_to_none=True)
+    sbs.ref_model.zero_grad(set_to_none=True)
+    return a, b
+
+
+def check_peak(sbs, batch):
+    reports = sbs.reports()
+    resident = list(sbs.model.parameters()) + [t for t in batch if isinstance(t, torch.Tensor)]
+    m = measure_peak_device_bytes(lambda: sbs.trinity_step(batch), resident=resident, device="cpu")
+    sbs.model.zero_grad(set_to_none=True)
+    budget = sum(r.budget_bytes for r in reports)
+    assert m.peak_bytes <= budget + PEAK_SLACK_BYTES, "\n".join(r.summary() for r in reports)
+
+
+@pytest.mark.parametrize("strategy, options", [("recompute", {}), ("auto", SLOW_LINK)])
+def test_dropout_bit_identical_with_replayed_generator_state(strategy, options):
+    sbs = SideBySide(DropoutMLP, "eager", budget="70%", strategy=strategy, **options)
+    batch = dropout_batch()
+    for seed in (1, 2):
+        seeded_step(sbs, batch, seed)
+    (r,) = sbs.reports()
+    assert r.recompute["num_recomputed"] > 0, r.summary()
+    assert any(d == "recompute" for _n, _b, d in r.decisions)
+    if strategy == "recompute":
+        assert r.num_evicted == 0
+    check_peak(sbs, batch)
+
+
+def test_dropout_recomputed_under_inductor_close():
+    """Under Inductor dropout is ``inductor_random`` from a seed tensor: the seed is saved, the
+    random op recomputed; the gradients match (to Inductor's tolerance) only if the masks do."""
+    sbs = SideBySide(DropoutMLP, "inductor", budget="70%", strategy="recompute")
+    batch = dropout_batch()
+    seeded_step(sbs, batch, 3)
+    assert recomputed(sbs) > 0
+
+
+def test_views_bit_identical():
+    """GPT: q, k, v are views of one projection (one buffer, three saved views), LayerNorm
+    outputs are views of its result."""
+    sbs = SideBySide(models.GPTLoss, "eager", budget="75%", strategy="recompute")
+    batch = models.gpt_batch()
+    for _ in range(2):
+        sbs.step(batch)
+    (r,) = sbs.reports()
+    assert r.recompute["num_recomputed"] > 0, r.summary()
+    assert r.peak_bytes_planned <= r.budget_bytes
+    check_peak(sbs, batch)
+    sbs.step(batch)
+
+
+def test_inplace_forward_bit_identical():
+    sbs = SideBySide(models.InPlace, "eager", budget="75%", strategy="recompute")
+    batch = models.inplace_batch()
+    for _ in range(2):
+        sbs.step(batch)
+    assert recomputed(sbs) > 0
+    check_peak(sbs, batch)
+
+
+def test_bf16_autocast_bit_identical():
+    sbs = SideBySide(DropoutMLP, "eager", budget="70%", strategy="recompute")
+    batch = dropout_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for seed in (4, 5):
+            seeded_step(sbs, batch, seed)
+    assert recomputed(sbs) > 0
+
+
+def test_dynamic_shapes_bit_identical():
+    sbs = SideBySide(models.MLP, "eager", budget="75%", dynamic=True, strategy="recompute")
+    for n in (2048, 1536, 2048):
+        sbs.step(models.mlp_batch(n))
+    assert recomputed(sbs) > 0
+    assert all(r.size_bounds for r in sbs.reports())
+
+
+def test_retain_graph_two_backwards_bit_identical():
+    sbs = SideBySide(DropoutMLP, "eager", budget="70%", strategy="recompute")
+    batch = dropout_batch()
+    for seed in (6, 7):
+        torch.manual_seed(seed)
+        ref = sbs.ref(*batch)
+        ref.backward(retain_graph=True)
+        ref.backward()
+        torch.manual_seed(seed)
+        loss = sbs.compiled(*batch)
+        loss.backward(retain_graph=True)
+        loss.backward()  # the recomputation runs again from the same saved values and state
+        assert_same(loss.detach(), ref.detach(), True, "loss")
+        sbs.check_grads("two backwards")
+        sbs.model.zero_grad(set_to_none=True)
+        sbs.ref_model.zero_grad(set_to_none=True)
+    assert recomputed(sbs) > 0
+
+
+def test_fits_without_a_plan_rewrites_nothing():
+    sbs = SideBySide(models.MLP, "eager", budget="100%")
+    sbs.step(models.mlp_batch(512))
+    (r,) = sbs.reports()
+    assert r.fits_without_plan and r.num_evicted == 0 and r.recompute["num_recomputed"] == 0
+    assert "fits without a plan" in r.summary()
+    assert dict(r.pass_seconds).get("insert_recompute") is None
+
+
+def test_report_and_dumps_show_the_choice(tmp_path):
+    sbs = SideBySide(DropoutMLP, "eager", budget="70%", strategy="auto", dump_dir=str(tmp_path), **SLOW_LINK)
+    batch = dropout_batch()
+    seeded_step(sbs, batch, 8)
+    (r,) = sbs.reports()
+    rc = r.recompute
+    assert rc["num_recomputed"] > 0 and rc["recompute_seconds"] > 0 and rc["recomputed_bytes"] > 0
+    assert rc["strategy"] == "auto" and rc["solver"] in ("highs", "greedy")
+    text = r.summary()
+    assert "recompute" in text and "GFLOP" in text and f"strategy {rc['strategy']}" in text
+    folder = Path(r.dump_dir)
+    dump = json.loads((folder / "recompute.json").read_text())
+    decided = {d["saved"]: d["decision"] for d in dump["decisions"]}
+    assert set(decided.values()) <= {"keep", "offload", "recompute"}
+    assert sum(1 for d in decided.values() if d == "recompute") == sum(len(x["saved"]) for x in dump["recomputes"])
+    assert dump["recompute_flops"] == sum(x["flops"] for x in dump["recomputes"])
+    backward = (folder / "07_insert_recompute.backward.py").read_text()
+    assert "recomputed for saved" in backward
+    assert ("run_with_rng_state" in backward) == any(x["rng_nodes"] for x in dump["recomputes"])
+    report = json.loads((folder / "report.json").read_text())
+    assert report["decisions"] and report["recompute"]["num_recomputed"] == rc["num_recomputed"]
+
+
+def test_strategy_option_validated_eagerly():
+    f = torch.compile(models.MLP(), backend="trinity", options={"inner": "eager", "strategy": "fastest"})
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        f(*models.mlp_batch(8))
+    inner = getattr(info.value, "inner_exception", None) or info.value.__cause__
+    assert isinstance(inner, ValueError)
+    assert "'strategy'" in str(inner) and "'fastest'" in str(inner) and "'auto', 'offload', 'recompute'" in str(inner)
+    with pytest.raises(ValueError, match="'recompute' is not combined with offload='all'"):
+        offload_compiler.TrinityOptions.from_user({"strategy": "recompute", "offload": "all", "inner": "eager"}, env={})
+    opts = offload_compiler.TrinityOptions.from_user({}, env={})
+    assert opts.strategy == "auto"
+    assert offload_compiler.TrinityOptions.from_user({}, env={"TRINITY_STRATEGY": "offload"}).strategy == "offload"
