@@ -1,8 +1,10 @@
 """``python -m offload_compiler plan``: will this model's training step fit, and how fast?
 
-Traces the training step on fake tensors (nothing real is allocated: a 7B model plans on a
-laptop), runs the same passes as the backend (reorder, liveness, cost model, planner) for each
-budget against a device's figures, and prints a table: parameters, the peak without offloading,
+Traces the training step on fake tensors (nothing real is allocated: a 70B model plans on a
+laptop) through the backend's own partition entry, with the same arguments, plans it for each
+budget through the backend's planning spine (:func:`offload_compiler.pipeline.plan_pair`, the
+very function ``torch.compile(backend="trinity")`` calls) against a device's figures, and prints
+a table: parameters, the peak without offloading,
 the planned peak, the predicted step time and the copy time left exposed. Optimizer state
 (``adamw``: two tensors per parameter; ``sgd``: one momentum tensor; ``none``) is resident device
 memory and counts in every peak, except with ``--offload all``. ``--offload`` plans model-state
@@ -11,6 +13,8 @@ are fetched around their uses (:mod:`.passes.param_residency`), with ``all`` gra
 optimizer state live in host memory; the host bytes are reported and the parameter copies are
 part of the simulated step. It draws the memory/time frontier over the budgets as a PNG and
 names the smallest budget whose predicted step is within 5% of the step without offloading.
+``--json FILE`` writes the rows for scripts. ``--inner`` is the inner compiler assumed (the
+backend's default, Inductor, for ``--offload activations``; parameter offload needs ``eager``).
 
 This is the "impossible trinity" made explicit: a larger model, a faster step or a cheaper GPU.
 """
@@ -18,20 +22,20 @@ This is the "impossible trinity" made explicit: a larger model, a faster step or
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from .devices import KNOWN_DEVICES, DeviceSpec, lookup_device
-from .graph_pair import fill_tuple_vals
-from .options import MemoryBudget, format_bytes, parse_size
-from .passes import cost_model, liveness, param_residency, plan_window, reorder
-from .passes.simulate import simulate
+from .options import MemoryBudget, TrinityOptions, format_bytes, parse_size
+from .passes import param_residency
+from .trace import TracedStep
 
-__all__ = ["PlanRow", "plan_model", "main"]
+__all__ = ["PlanRow", "PlanResult", "plan_model", "plan_step", "default_inner", "model_builder", "HFCausalLM", "main"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -46,7 +50,8 @@ _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One budget's plan (bytes include the optimizer state; seconds are predictions)."""
+    """One budget's plan (bytes include the optimizer state when it is on the device; seconds are
+    predictions, with every copy the step issues). An infeasible row is the lowest-peak plan."""
 
     budget: str
     budget_bytes: int
@@ -58,6 +63,28 @@ class PlanRow:
     evicted_bytes: int
     num_evicted: int
     fits_device: bool
+    host_bytes: int = 0
+    peak_step: int = -1
+
+    def to_json(self) -> dict:
+        """The row for scripts: budget, planned peak, lowest reachable, predicted step, exposed
+        copy, host bytes, fits (bytes and seconds; the step figures are ``None`` when the
+        budget is infeasible)."""
+        ok = self.feasible
+        return {
+            "budget": self.budget,
+            "budget_bytes": self.budget_bytes,
+            "planned_peak_bytes": self.planned_peak_bytes,
+            "lowest_reachable_bytes": self.lowest_reachable_bytes,
+            "predicted_step_seconds": self.predicted_step_seconds if ok else None,
+            "exposed_copy_seconds": self.exposed_seconds if ok else None,
+            "host_bytes": self.host_bytes,
+            "evicted_bytes": self.evicted_bytes,
+            "num_evicted": self.num_evicted,
+            "peak_step": self.peak_step,
+            "feasible": ok,
+            "fits": ok and self.fits_device,
+        }
 
 
 @dataclass(frozen=True)
@@ -74,14 +101,42 @@ class PlanResult:
     plan_seconds: float
     offload: str = "activations"
     host_model_state_bytes: int = 0
+    inner: str = "inductor"
 
     def within_5_percent(self) -> PlanRow | None:
         """The feasible row with the smallest budget whose step is within 5% of no offloading."""
         ok = [r for r in self.rows if r.feasible and r.predicted_step_seconds <= 1.05 * self.compute_seconds]
         return min(ok, key=lambda r: r.budget_bytes) if ok else None
 
+    def to_json(self) -> dict:
+        """The result for scripts (``plan --json``): the model, the device figures, and one row
+        per budget (:meth:`PlanRow.to_json`)."""
+        return {
+            "model": self.model,
+            "device": self.device.name,
+            "device_memory_bytes": self.device.memory_bytes,
+            "offload": self.offload,
+            "inner": self.inner,
+            "num_params": self.num_params,
+            "param_bytes": self.param_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "host_model_state_bytes": self.host_model_state_bytes,
+            "unplanned_peak_bytes": self.unplanned_peak_bytes,
+            "compute_seconds": self.compute_seconds,
+            "trace_seconds": self.trace_seconds,
+            "plan_seconds": self.plan_seconds,
+            "rows": [r.to_json() for r in self.rows],
+        }
 
-def _build(model: str, seq_len: int, hf_overrides: dict):
+
+def model_builder(model: str, seq_len: int, hf_overrides: dict):
+    """``(build, vocab_size)`` for a preset or ``hf:<model_type>``: ``build()`` makes the module
+    (token ids in, logits out).
+
+    Raises:
+        ValueError: for an unknown model, a sequence too long for it, or ``hf:`` without
+            transformers.
+    """
     if model.startswith("hf:"):
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -92,27 +147,139 @@ def _build(model: str, seq_len: int, hf_overrides: dict):
             config = AutoConfig.for_model(model_type, **hf_overrides)
         except (ValueError, KeyError) as exc:
             raise ValueError(f"model {model!r}: transformers has no model type {model_type!r} ({exc})") from None
-
-        class _Logits(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.inner = AutoModelForCausalLM.from_config(config)
-
-            def forward(self, idx):
-                # transformers skips its data-dependent mask checks only while torch compiles;
-                # this trace is symbolic too, so say so while it runs.
-                from unittest import mock
-
-                with mock.patch("torch.compiler.is_compiling", lambda: True):
-                    return self.inner(input_ids=idx, use_cache=False).logits
-
-        return (lambda: _Logits()), config.vocab_size
+        return (lambda: HFCausalLM(AutoModelForCausalLM.from_config(config))), config.vocab_size
     from .models.presets import get_preset
 
     preset = get_preset(model)
     if preset.max_seq_len is not None and seq_len > preset.max_seq_len:
         raise ValueError(f"model {model!r} takes sequences up to {preset.max_seq_len}, got --seq-len {seq_len}")
     return (lambda: preset.build(seq_len)), preset.vocab_size
+
+
+class HFCausalLM(torch.nn.Module):
+    """A ``transformers`` causal LM as ``forward(idx [batch, seq]) -> logits [batch, seq, vocab]``."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx):
+        # transformers skips its data-dependent mask checks only while torch compiles; a fake
+        # trace is symbolic too, so say so while it runs.
+        if torch.compiler.is_compiling():
+            return self.inner(input_ids=idx, use_cache=False).logits
+        from unittest import mock
+
+        with mock.patch("torch.compiler.is_compiling", lambda: True):
+            return self.inner(input_ids=idx, use_cache=False).logits
+
+
+def _parse_budgets(budgets: list[str], device: DeviceSpec) -> list[tuple[str, MemoryBudget]]:
+    if not budgets:
+        raise ValueError("--budgets: no budget given; e.g. '100%,50%,24GiB,device'")
+    parsed = []
+    for b in budgets:
+        if b == "device":
+            parsed.append((b, MemoryBudget("bytes", float(device.memory_bytes))))
+            continue
+        try:
+            mb = MemoryBudget.parse(b, key="--budgets")
+        except ValueError:
+            mb = None
+        if mb is None or mb.kind not in ("bytes", "fraction"):
+            raise ValueError(f"--budgets: {b!r} is not a size ('24GiB'), a percentage ('50%') or 'device'")
+        parsed.append((b, mb))
+    return parsed
+
+
+def default_inner(offload: str) -> str:
+    """The inner compiler ``plan`` assumes: the backend's default, Inductor, for
+    ``offload="activations"``; ``"eager"`` for parameter offload (which needs it)."""
+    return "inductor" if offload == "activations" else "eager"
+
+
+def plan_step(
+    traced: TracedStep,
+    device: DeviceSpec,
+    budgets: list[str],
+    *,
+    model: str = "model",
+    optimizer: str = "adamw",
+    min_offload_bytes: int = 1 << 20,
+    offload: str = "activations",
+    inner: str | None = None,
+    trace_seconds: float = 0.0,
+) -> PlanResult:
+    """Plan a traced training step for each budget on ``device`` through the backend's spine:
+    :func:`~offload_compiler.pipeline.prepare`, then
+    :func:`~offload_compiler.pipeline.plan_pair` with the options the backend would have
+    (``memory_budget`` = the row's budget, ``inner``, ``offload``, ``min_offload_bytes``) and a
+    :class:`~offload_compiler.pipeline.ModelState` holding the parameters to offload (every
+    ``nn.Parameter``, as the backend's slots) and the optimizer's state bytes. ``traced`` must
+    have been traced with the same ``inner``. Mutates ``traced.pair`` (prepare).
+
+    Raises:
+        ValueError: for an unknown optimizer, offload mode or a malformed budget, naming it;
+            for ``inner="inductor"`` with parameter offload.
+    """
+    from .pipeline import ModelState, analyze_pair, plan_pair, prepare
+
+    if optimizer not in _OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; one of {', '.join(_OPTIMIZER_STATES)}")
+    if offload not in ("activations",) + param_residency.MODES:
+        raise ValueError(f"unknown offload {offload!r}; one of activations, {', '.join(param_residency.MODES)}")
+    inner = inner or default_inner(offload)
+    parsed = _parse_budgets(budgets, device)
+    base = TrinityOptions.from_user(
+        {"inner": inner, "offload": offload, "min_offload_bytes": min_offload_bytes, "verify": False}, env={}
+    )
+    t0 = time.perf_counter()
+    pair = traced.pair
+    prepare(pair)
+    analysis = analyze_pair(pair, base, device)
+    full_state = _OPTIMIZER_STATES[optimizer] * traced.param_bytes
+    params = {}
+    if offload != "activations":
+        per_param = 2 if offload == "all" else 1  # the master copy, and the host gradient with "all"
+        params = {i: (0, per_param * n) for i, n in zip(traced.param_positions, traced.param_nbytes)}
+    state = ModelState(offload=offload, params=params, optimizer_state_bytes=full_state)
+    rows = []
+    first = None
+    for text, budget in parsed:
+        pp = plan_pair(pair, replace(base, memory_budget=budget), state, spec=device, analysis=analysis)
+        first = first or pp
+        pred = pp.predictions
+        rows.append(
+            PlanRow(
+                budget=text,
+                budget_bytes=pp.step_budget_bytes,
+                planned_peak_bytes=pred.planned_peak_bytes,
+                lowest_reachable_bytes=pred.lowest_reachable_peak_bytes,
+                feasible=pred.feasible,
+                predicted_step_seconds=pred.step_seconds,
+                exposed_seconds=pred.exposed_transfer_seconds,
+                evicted_bytes=pp.activations.evicted_bytes,
+                num_evicted=len(pp.activations.evictions),
+                fits_device=pred.planned_peak_bytes <= device.memory_bytes,
+                host_bytes=pred.host_bytes,
+                peak_step=pp.activations.peak_step_planned,
+            )
+        )
+    return PlanResult(
+        model=model,
+        device=device,
+        num_params=traced.num_params,
+        param_bytes=traced.param_bytes,
+        optimizer_state_bytes=full_state,
+        unplanned_peak_bytes=first.predictions.unplanned_peak_bytes,
+        compute_seconds=first.costs.compute_seconds,
+        rows=tuple(rows),
+        trace_seconds=trace_seconds,
+        plan_seconds=time.perf_counter() - t0,
+        offload=offload,
+        host_model_state_bytes=state.host_bytes,
+        inner=inner,
+    )
 
 
 def plan_model(
@@ -126,11 +293,14 @@ def plan_model(
     min_offload_bytes: int = 1 << 20,
     hf_overrides: dict | None = None,
     offload: str = "activations",
+    inner: str | None = None,
 ) -> PlanResult:
-    """Plan ``model``'s training step for each budget on ``device`` (see the module docstring).
+    """Plan ``model``'s training step for each budget on ``device`` (see the module docstring):
+    trace it (:func:`~offload_compiler.trace.trace_training_step`, with ``inner``'s
+    decompositions), then :func:`plan_step`.
 
     Budgets are sizes (``"24GiB"``), percentages of the peak without offloading (``"50%"``) or
-    ``"device"`` (the device's memory).
+    ``"device"`` (the device's memory). ``inner`` defaults to :func:`default_inner`.
 
     Raises:
         ValueError: for an unknown model, optimizer or a malformed budget, naming it.
@@ -141,96 +311,23 @@ def plan_model(
         raise ValueError(f"unknown optimizer {optimizer!r}; one of {', '.join(_OPTIMIZER_STATES)}")
     if offload not in ("activations",) + param_residency.MODES:
         raise ValueError(f"unknown offload {offload!r}; one of activations, {', '.join(param_residency.MODES)}")
-    if not budgets:
-        raise ValueError("--budgets: no budget given; e.g. '100%,50%,24GiB,device'")
-    parsed = []
-    for b in budgets:
-        if b == "device":
-            parsed.append((b, MemoryBudget("bytes", float(device.memory_bytes))))
-        else:
-            try:
-                mb = MemoryBudget.parse(b, key="--budgets")
-            except ValueError:
-                mb = None
-            if mb is None or mb.kind not in ("bytes", "fraction"):
-                raise ValueError(f"--budgets: {b!r} is not a size ('24GiB'), a percentage ('50%') or 'device'")
-            parsed.append((b, mb))
-    build, vocab = _build(model, seq_len, hf_overrides or {})
+    inner = inner or default_inner(offload)
+    TrinityOptions.from_user({"inner": inner, "offload": offload}, env={})  # fail before tracing
+    _parse_budgets(budgets, device)
+    build, vocab = model_builder(model, seq_len, hf_overrides or {})
     t0 = time.perf_counter()
-    traced = trace_training_step(build, batch, seq_len, vocab, dtype)
+    traced = trace_training_step(build, batch, seq_len, vocab, dtype, inner=inner)
     trace_seconds = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    pair = traced.pair
-    fill_tuple_vals(pair.forward)
-    fill_tuple_vals(pair.backward)
-    reorder.hoist_frees(pair.forward)
-    reorder.hoist_frees(pair.backward)
-    live = liveness.analyze(pair, assume_fusion=True)
-    costs = cost_model.estimate(pair, live, device)
-    full_state = _OPTIMIZER_STATES[optimizer] * traced.param_bytes
-    state = 0 if offload == "all" else full_state
-    unplanned = live.peak_bytes + full_state
-    host = 0
-    chosen: dict[int, tuple[int, int]] = {}
-    if offload != "activations":
-        chosen = {i: (0, 0) for i in pair.static_input_indices}
-        host = traced.param_bytes * (2 if offload == "all" else 1) + (full_state if offload == "all" else 0)
-
-    def plan_at(graph_budget):
-        """The activation plan (on the residency view with parameter offload), its predicted
-        step and exposed copy seconds."""
-        if not chosen:
-            p = plan_window.plan(live, costs, graph_budget, min_offload_bytes)
-            return p, p.predicted_step_seconds, p.exposed_transfer_seconds
-        for use_windows in (True, False):
-            res = param_residency.plan(
-                pair, live, costs, chosen, offload, live.live_bytes(), graph_budget, use_windows=use_windows
-            )
-            p = plan_window.plan(param_residency.activation_view(live, res), costs, graph_budget, min_offload_bytes)
-            if p.feasible or not res.max_window_steps:
-                break
-        tasks = plan_window.copy_tasks(p.evictions, costs)
-        timeline = simulate(costs.step_seconds, tasks + param_residency.copy_tasks(res, costs, len(tasks)))
-        return p, timeline.step_seconds, timeline.exposed_seconds
-
-    # The lowest peak any plan reaches: every candidate evicted as tightly as possible.
-    lowest = plan_at(0)[0].lowest_reachable_peak_bytes + state
-    rows = []
-    for text, budget in parsed:
-        total = int(budget.value * unplanned) if budget.kind == "fraction" else int(budget.value)
-        graph_budget = total - state
-        if total < lowest:
-            rows.append(PlanRow(text, total, lowest, lowest, False, float("nan"), float("nan"), 0, 0, False))
-            continue
-        p, step_s, exposed_s = plan_at(graph_budget)
-        peak = p.peak_bytes_planned + state
-        rows.append(
-            PlanRow(
-                budget=text,
-                budget_bytes=total,
-                planned_peak_bytes=peak,
-                lowest_reachable_bytes=p.lowest_reachable_peak_bytes + state,
-                feasible=p.feasible,
-                predicted_step_seconds=step_s,
-                exposed_seconds=exposed_s,
-                evicted_bytes=p.evicted_bytes,
-                num_evicted=len(p.evictions),
-                fits_device=peak <= device.memory_bytes,
-            )
-        )
-    return PlanResult(
+    return plan_step(
+        traced,
+        device,
+        budgets,
         model=model,
-        device=device,
-        num_params=traced.num_params,
-        param_bytes=traced.param_bytes,
-        optimizer_state_bytes=full_state,
-        unplanned_peak_bytes=unplanned,
-        compute_seconds=costs.compute_seconds,
-        rows=tuple(rows),
-        trace_seconds=trace_seconds,
-        plan_seconds=time.perf_counter() - t0,
+        optimizer=optimizer,
+        min_offload_bytes=min_offload_bytes,
         offload=offload,
-        host_model_state_bytes=host,
+        inner=inner,
+        trace_seconds=trace_seconds,
     )
 
 
@@ -286,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default="gpt2-small",
-        help="a preset (demo, gpt2-small/medium/large/xl, llama-1b, llama-7b, llama3-8b, llama-13b) or hf:<model_type>",
+        help="a preset (demo, gpt2-small/medium/large/xl, llama-1b, llama-7b, llama3-8b, llama-13b, llama-30b, "
+        "llama-70b) or hf:<model_type>",
     )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -307,7 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         default="activations",
         help="activations, activations+params or all (parameters, gradients, optimizer state on the host)",
     )
+    parser.add_argument(
+        "--inner",
+        default=None,
+        help="inner compiler assumed: inductor or eager (default: inductor with --offload activations, else eager)",
+    )
     parser.add_argument("--png", default="plan_frontier.png", help="where to draw the frontier ('' for none)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE")
     parser.add_argument(
         "--hf", action="append", default=[], metavar="KEY=VALUE", help="config override for hf: models (repeatable)"
     )
@@ -342,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             parse_size("--min-offload-bytes", args.min_offload_bytes),
             overrides,
             args.offload,
+            args.inner,
         )
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -402,6 +507,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.png:
         console.print(f"frontier: {frontier_png(result, Path(args.png))}")
+    if args.json:
+        payload = {
+            **result.to_json(),
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "dtype": args.dtype,
+            "optimizer": args.optimizer,
+            "command": "python -m offload_compiler plan " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "torch": torch.__version__,
+            "note": "predicted by the cost model and simulator on the device's figures; not measured",
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
+        console.print(f"rows: {args.json}")
     return 0
 
 
