@@ -10,7 +10,8 @@ residency rewrite, and the inference graph's.
 * the training pair's residency is planned in :func:`offload_compiler.pipeline.plan_pair` and
   applied by the compile session (:mod:`.passes.param_residency`).
 * :func:`rewrite_inference`: the same on a forward-only graph (``torch.no_grad()`` steps): fetch
-  before first use; with ``"all"`` release after last use.
+  before first use; with ``"all"`` release after last use. It is planned by the same
+  :func:`~offload_compiler.pipeline.plan_pair` (and budget) as the training pair.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .devices import detect_device_spec
 from .graph_pair import GraphPair
 from .options import TrinityOptions, format_bytes
-from .passes import cost_model, liveness, param_residency
+from .passes import param_residency
 from .runtime import param_ops as _param_ops  # noqa: F401  (registers trinity::param_*)
 from .runtime.model_state import ON_DEVICE_ATTR, ParamSlot, ensure_slot, install_module_hooks, slot_of
 from .runtime.pool import HostPool
@@ -157,6 +157,12 @@ def rewrite_inference(
     with ``offload="all"``, release it after its last use. ``rt`` is the id of the transfer
     runtime whose copy streams the copies use. Mutates ``gm``.
 
+    Planned by :func:`~offload_compiler.pipeline.plan_pair` on the forward with an empty
+    backward, every parameter read fetched (``ModelState(offload="all")``, no host gradients):
+    with ``"activations+params"`` a parameter is released only after a training forward whose
+    backward never ran, and the fetch restores it. The windows shrink when they would exceed the
+    budget, as in training.
+
     Raises:
         offload_compiler.passes.verify.VerificationError: when ``options.verify`` is on and the
             rewritten graph breaks a residency invariant (:func:`.passes.param_residency.check`).
@@ -167,15 +173,12 @@ def rewrite_inference(
     empty.output(())
     outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
     n_out = len(outputs) if isinstance(outputs, (tuple, list)) else 1
+    from .pipeline import ModelState, plan_pair
+
     pair = GraphPair(gm, fx.GraphModule({}, empty), n_out, tuple(sorted(slots)))
     step_nodes = list(gm.graph.nodes) + list(pair.backward.graph.nodes)
-    live = liveness.analyze(pair)
-    spec = cost_model.apply_overrides(detect_device_spec(torch.device(live.device), options.device), options)
-    costs = cost_model.estimate(pair, live, spec)
     chosen = {i: (s.id, s.host_bytes) for i, s in slots.items()}
-    # Forward-only: every parameter read is fetched (with "activations+params" a parameter is
-    # released only after a training forward whose backward never ran; the fetch restores it).
-    the_plan = param_residency.plan(pair, live, costs, chosen, "all", live.live_bytes(), None, host_grad=False)
+    the_plan = plan_pair(pair, options, ModelState(offload="all", params=chosen, host_grad=False)).residency
     param_residency.apply(pair, the_plan, step_nodes, rt, release=options.offload == "all", backward=False)
     if options.verify:
         from .passes.verify import VerificationError

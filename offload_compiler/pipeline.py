@@ -1,30 +1,39 @@
-"""The pass pipeline: partition, analyse, plan, rewrite, verify, report, dump.
+"""The pass pipeline: partition, prepare, plan (one spine), rewrite, verify, report, dump.
 
 :class:`TrinityPartitioner` is the one hook that sees both the forward and the backward graph
-before AOTAutograd does its saved-tensor bookkeeping (see TORCH_NOTES.md). It runs PyTorch's own
-min-cut partitioner (the one Inductor and ``aot_eager`` use), then the passes, in order:
+before AOTAutograd does its saved-tensor bookkeeping (see TORCH_NOTES.md). It calls
+:func:`partition` (PyTorch's min-cut partitioner with AOTAutograd's arguments), then:
 
-0. ``reorder``       compute nodes early where that frees memory (mutates node order only)
-1. ``liveness``      buffers and live ranges over the joint schedule (analysis)
-2. ``cost_model``    seconds per node and per transfer (analysis)
-3. ``plan_window``   keep, offload or recompute each saved activation (``plan_recompute``, the
-                     joint planner), and where the copies go (``plan_window``) (pure functions)
-4. ``insert_recompute``  the recomputed chains in the backward (mutates the graphs)
-   ``insert_transfers``  the ``trinity::*`` nodes (mutates the graphs)
-5. ``assign_streams``  side streams and events (``num_streams > 1``, ``inner="eager"``)
-6. ``verify``        invariants, happens-before and the re-measured peak (when ``verify`` is on)
+0. ``reorder``       :func:`prepare`: compute nodes early where that frees memory (node order only)
+1. :func:`plan_pair`, the planning spine (pure; the backend, the inference rewrite and the
+   ``plan`` command all call it): ``liveness`` (buffers and live ranges over the joint
+   schedule, with the workspace margins the runtime check measured), ``cost_model`` (seconds per
+   node and per transfer), the budget (:func:`resolve_budget`), ``optimizer_split`` (with
+   ``offload="all"``: the share of the optimizer update kept on the device),
+   ``param_residency`` (with parameter offload: where each parameter is fetched and released) and
+   ``plan_recompute`` / ``plan_window`` (keep, offload or recompute each saved activation, and
+   where the copies go), with their predictions, as one frozen :class:`PairPlan`
+2. the declared rewrite passes, :data:`REWRITE_PASSES`, run by :func:`run_rewrites` in order:
+   ``insert_recompute`` (the chains the joint keep/offload/recompute planner,
+   :mod:`.passes.plan_recompute`, recomputes in the backward), ``insert_transfers`` (the
+   ``trinity::*`` activation copy nodes), ``assign_streams`` (side
+   streams and events: ``num_streams > 1``, ``inner="eager"``), ``param_residency`` (parameter
+   fetch, release and gradient nodes); each is timed and, with ``dump_dir``, its graphs are
+   written right after it runs
+3. ``verify``        last, after every rewrite: invariants, happens-before, parameter residency
+   and the re-measured peak against the budget (when ``verify`` is on)
 
-Each pass is timed; with ``dump_dir`` the graphs are written before and after the rewrite.
+The report is :meth:`~offload_compiler.report.TrinityReport.from_plan` of the final plan.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
 import warnings
-from dataclasses import asdict
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,13 +43,14 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from .devices import DeviceSpec, detect_device_spec
 from .dump import GraphDumper
 from .graph_pair import GraphPair, fill_tuple_vals
-from .options import MemoryBudget, TrinityOptions
+from .options import TrinityOptions
 from .passes import (
     assign_streams,
     cost_model,
     insert_recompute,
     insert_transfers,
     liveness,
+    param_residency,
     plan_recompute,
     plan_window,
     reorder,
@@ -52,7 +62,23 @@ from .passes.margins import WorkspaceMargins
 from .report import TrinityReport, next_graph_id, record_report
 from .runtime.transfer import TransferRuntime
 
-__all__ = ["TrinityPartitioner", "CompileSession", "InfeasibleBudgetError", "resolve_budget", "plan_pair"]
+__all__ = [
+    "TrinityPartitioner",
+    "CompileSession",
+    "InfeasibleBudgetError",
+    "ModelState",
+    "PairAnalysis",
+    "PairPlan",
+    "Predictions",
+    "RewritePass",
+    "REWRITE_PASSES",
+    "analyze_pair",
+    "partition",
+    "plan_pair",
+    "prepare",
+    "resolve_budget",
+    "run_rewrites",
+]
 
 log = logging.getLogger("offload_compiler")
 
@@ -62,140 +88,512 @@ class InfeasibleBudgetError(ValueError):
     reachable peak and what dominates it."""
 
 
-def resolve_budget(
-    budget: MemoryBudget, unplanned_peak: int, device: torch.device, options: TrinityOptions, resident: int
-) -> int | None:
-    """The budget in bytes for one graph pair (``None``: no limit).
+_OFFLOAD_MODES = ("activations",) + param_residency.MODES
 
-    ``"auto"`` on CUDA is the device's free memory now, plus what the pair's parameters and inputs
-    already hold (they are part of its peak), less ``budget_reserve_bytes``; without CUDA it is no
-    limit. A fraction is of ``unplanned_peak``.
+
+@dataclass(frozen=True)
+class ModelState:
+    """The step's model state as the planner sees it: what is offloaded and what else the step
+    holds on the device besides the graph pair's own tensors.
+
+    Attributes:
+        offload: ``"activations"``, ``"activations+params"`` or ``"all"`` (the option's meaning).
+        params: forward input position -> ``(slot id, host bytes)`` of each parameter to offload
+            (host bytes: its master copy, plus its host gradient with ``"all"``); empty with
+            ``"activations"``.
+        optimizer_state_bytes: device bytes of optimizer state that a device optimizer would
+            hold for the whole step (the ``plan`` command's AdamW moments). They count in every
+            peak and come off the budget, except with ``offload="all"``, where the state lives
+            in host memory (counted in :attr:`host_bytes`). The backend passes 0: it does not see
+            the user's optimizer, and an ``"auto"`` budget is the free memory after it.
+        host_grad: send gradients to host; ``None``: with ``offload="all"``.
+        update: with ``offload="all"``, the model of the optimizer update
+            (:class:`~.passes.cost_model.HostUpdate`; the backend's comes from the live
+            ``CPUOptimizer``, ``plan``'s from its flags); ``None``: the device's default
+            (:func:`~.passes.cost_model.host_update_model`).
     """
+
+    offload: str = "activations"
+    params: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    optimizer_state_bytes: int = 0
+    host_grad: bool | None = None
+    update: Any = None
+
+    def __post_init__(self):
+        if self.offload not in _OFFLOAD_MODES:
+            raise ValueError(f"ModelState.offload: {self.offload!r}; one of {', '.join(_OFFLOAD_MODES)}")
+        if self.params and self.offload == "activations":
+            raise ValueError("ModelState: parameters to offload need offload='activations+params' or 'all'")
+        if self.optimizer_state_bytes < 0:
+            raise ValueError(f"ModelState.optimizer_state_bytes must be >= 0, got {self.optimizer_state_bytes}")
+
+    @property
+    def resident_bytes(self) -> int:
+        """Device bytes held outside the pair throughout the step."""
+        return 0 if self.offload == "all" else self.optimizer_state_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes of the offloaded model state (master copies, host gradients, and with
+        ``"all"`` the optimizer state)."""
+        return sum(h for _, h in self.params.values()) + (self.optimizer_state_bytes if self.offload == "all" else 0)
+
+
+@dataclass(frozen=True)
+class PairAnalysis:
+    """The analyses of one (unrewritten) graph pair, which do not depend on the budget.
+
+    Attributes:
+        liveness: :func:`~.passes.liveness.analyze` of the pair.
+        costs: :func:`~.passes.cost_model.estimate` on the device figures.
+        seconds: wall time of each analysis.
+    """
+
+    liveness: liveness.Liveness
+    costs: cost_model.Costs
+    seconds: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """What a :class:`PairPlan` predicts for the step (bytes include
+    :attr:`ModelState.resident_bytes`; seconds are the simulator's, on the cost model's figures).
+
+    Attributes:
+        unplanned_peak_bytes: peak with nothing offloaded (every parameter resident; the
+            optimizer state on the device).
+        planned_peak_bytes: peak with the plan (parameter residency and evictions).
+        lowest_reachable_peak_bytes: the lowest peak any activation plan reaches with this
+            parameter residency.
+        feasible: whether the planned peak is within the budget.
+        step_seconds / exposed_transfer_seconds: the step with every copy the rewritten graphs
+            issue (saved activations and parameters), issued and waited for where they are.
+        compute_seconds: compute alone.
+        host_bytes: host memory of the offloaded model state (:attr:`ModelState.host_bytes`).
+        peak_bytes_resident_params: with parameter offload, the peak the same evictions would
+            give with parameters resident throughout; else ``None``.
+        update_seconds / exposed_update_seconds: with ``offload="all"``, the optimizer update's
+            seconds per step and the part of it the step waits for (the simulator's update
+            channel); else 0.
+    """
+
+    unplanned_peak_bytes: int
+    planned_peak_bytes: int
+    lowest_reachable_peak_bytes: int
+    feasible: bool
+    step_seconds: float
+    exposed_transfer_seconds: float
+    compute_seconds: float
+    host_bytes: int
+    peak_bytes_resident_params: int | None = None
+    update_seconds: float = 0.0
+    exposed_update_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """The whole plan of one graph pair: what :func:`plan_pair` decided, and what the rewrite
+    passes added (stream plans, the verifier's re-measured peak).
+
+    Attributes:
+        model_state: the :class:`ModelState` planned for.
+        liveness: liveness of the pair as planned (before any rewrite; parameters resident).
+        activation_liveness: what the activation planner saw: ``liveness`` with the parameter
+            residency applied (:func:`~.passes.param_residency.activation_view`), else the same.
+        costs: the cost model.
+        step_budget_bytes: the step's budget (:func:`resolve_budget`; ``None``: no limit).
+        budget_bytes: the pair's own budget: the step's less :attr:`ModelState.resident_bytes`.
+        residency: the parameter residency plan (``None`` without parameter offload).
+        activations: the activation plan (:class:`~.passes.plan_window.Plan`; pair bytes).
+        predictions: :class:`Predictions`.
+        stream_plans: graph name -> the applied stream plan (set by the ``assign_streams`` pass).
+        verified_peak_bytes: the peak the verifier re-measured on the rewritten graphs.
+        pass_seconds: wall time of each planning step.
+        joint: the keep/offload/recompute planner's result
+            (:class:`~.passes.plan_recompute.JointPlan`; offload-only with parameter offload).
+            With recomputation, :attr:`liveness` is that of the graphs before it
+            (``joint.source_liveness``) and :attr:`activation_liveness` that of the graphs with it
+            applied, to which the activation plan's steps refer.
+        split: with ``offload="all"``, the optimizer split
+            (:class:`~.passes.optimizer_split.OptimizerSplit`), else ``None``.
+        update: the optimizer update model the predictions used (``None`` without ``"all"``).
+        margins: the measured workspace margins planned with (``None``: none yet).
+    """
+
+    model_state: ModelState
+    liveness: liveness.Liveness
+    activation_liveness: liveness.Liveness
+    costs: cost_model.Costs
+    step_budget_bytes: int | None
+    budget_bytes: int | None
+    residency: param_residency.ResidencyPlan | None
+    activations: plan_window.Plan
+    predictions: Predictions
+    stream_plans: Mapping[str, assign_streams.StreamPlan] = field(default_factory=dict)
+    verified_peak_bytes: int | None = None
+    pass_seconds: tuple[tuple[str, float], ...] = ()
+    joint: Any = None
+    split: Any = None
+    update: Any = None
+    margins: WorkspaceMargins | None = None
+
+
+def resolve_budget(options: TrinityOptions, live: liveness.Liveness, model_state: ModelState) -> int | None:
+    """The step's memory budget in bytes (``None``: no limit), for a pair with liveness ``live``.
+
+    The one place a budget is resolved (the backend, the inference rewrite and ``plan`` reach
+    it through :func:`plan_pair`):
+
+    * bytes: as given;
+    * a fraction: of the step's peak without offloading, the pair's (``live.peak_bytes``) plus
+      ``model_state.optimizer_state_bytes``;
+    * ``"auto"``: on CUDA, the device's free memory now, plus what the pair's parameters and
+      inputs already hold (they are part of its peak), less ``budget_reserve_bytes``; without
+      CUDA, no limit;
+    * ``"none"``: no limit.
+    """
+    budget = options.memory_budget
     if budget.kind == "bytes":
         return int(budget.value)
     if budget.kind == "fraction":
-        return int(budget.value * unplanned_peak)
+        return int(budget.value * (live.peak_bytes + model_state.optimizer_state_bytes))
     if budget.kind == "none":
         return None
+    device = torch.device(live.device)
     if device.type == "cuda" and torch.cuda.is_available():
+        resident = sum(
+            b.size_bytes
+            for b in live.buffers
+            if b.on_device and b.kind in (liveness.BufferKind.PARAMETER, liveness.BufferKind.INPUT)
+        )
         free, _total = torch.cuda.mem_get_info(device)
         return max(0, int(free) + resident - options.budget_reserve_bytes)
     return None
 
 
+def prepare(pair: GraphPair) -> int:
+    """The rewrite every caller runs before planning: ``meta["val"]`` for tuple-valued nodes
+    (:func:`~.graph_pair.fill_tuple_vals`) and :func:`~.passes.reorder.hoist_frees` on both
+    graphs. Returns how many nodes were moved. Mutates the graphs; runs once per pair (it marks
+    the forward's ``meta["trinity_prepared"]``; a second call does nothing and returns 0)."""
+    if pair.forward.meta.get("trinity_prepared"):
+        return 0
+    fill_tuple_vals(pair.forward)
+    fill_tuple_vals(pair.backward)
+    moved = reorder.hoist_frees(pair.forward) + reorder.hoist_frees(pair.backward)
+    pair.forward.meta["trinity_prepared"] = True
+    return moved
+
+
+def analyze_pair(
+    pair: GraphPair, options: TrinityOptions, spec: DeviceSpec | None = None, margins: WorkspaceMargins | None = None
+) -> PairAnalysis:
+    """Liveness (with fusion assumed under ``inner="inductor"``, and the measured per-op workspace
+    ``margins`` where given) and the cost model of ``pair`` on ``spec`` (default: the detected
+    device or ``options.device``), with the options' figure overrides applied."""
+    t0 = time.perf_counter()
+    live = liveness.analyze(pair, assume_fusion=options.inner == "inductor", margins=margins)
+    t1 = time.perf_counter()
+    spec = cost_model.apply_overrides(spec or detect_device_spec(torch.device(live.device), options.device), options)
+    costs = cost_model.estimate(pair, live, spec)
+    return PairAnalysis(live, costs, (("liveness", t1 - t0), ("cost_model", time.perf_counter() - t1)))
+
+
 def plan_pair(
     pair: GraphPair,
     options: TrinityOptions,
+    model_state: ModelState | None = None,
+    *,
     spec: DeviceSpec | None = None,
-    model_state: dict | None = None,
+    analysis: PairAnalysis | None = None,
     margins: WorkspaceMargins | None = None,
-) -> tuple[
-    liveness.Liveness, cost_model.Costs, int | None, plan_window.Plan, dict[str, float], plan_recompute.JointPlan
-]:
-    """Run the analyses and the planner on ``pair`` without changing it.
+) -> PairPlan:
+    """Plan ``pair`` (after :func:`prepare`) without changing it: the planning spine.
 
-    Without ``model_state`` the joint planner (:func:`~.passes.plan_recompute.plan_joint`)
-    chooses keep, offload or recompute per saved activation (``options.strategy``); the liveness
-    and costs returned are then those of the graphs with its recomputation applied (on a copy), to
-    which the plan's steps refer: apply ``joint.chains`` with
-    :func:`~.passes.insert_recompute.apply` (on ``joint.source_liveness``) before the transfers.
+    The budget is :func:`resolve_budget`'s; the pair plans against it less the model state's
+    resident bytes. With parameters to offload, their residency is planned first
+    (:mod:`.passes.param_residency`, working windows on); the activation planner then sees device
+    memory with that residency (:func:`~.passes.param_residency.activation_view`); if the windows
+    make the budget unreachable, both are planned again without windows. The predictions simulate
+    the step with every copy.
 
-    ``model_state`` (``offload`` other than ``"activations"``): forward input position ->
-    ``(slot id, host bytes)`` of the parameters to offload (and, under the key ``"optimizer"``,
-    the ``CPUOptimizer`` owning them, if any: its update is modelled from it). With ``"all"`` the
-    optimizer split is chosen first (:mod:`.passes.optimizer_split`, option
-    ``optimizer_on_device``; left in ``model_state["split"]``, the update model in
-    ``model_state["update"]``). Their residency is planned first
-    (:mod:`.passes.param_residency`); the activation planner then sees device memory with that
-    residency (:func:`~.passes.param_residency.activation_view`); if the working windows make the
-    budget unreachable, both are planned again without windows. The residency plan is left in
-    ``model_state["plan"]``, the liveness without the view in ``model_state["liveness"]``, and
-    the time of both planners in ``pass_seconds["param_residency"]``.
+    Args:
+        pair: the partitioned, prepared graphs.
+        options: validated options (budget, ``inner``, ``min_offload_bytes``, figure overrides).
+        model_state: what is offloaded and held outside the pair (default: activations only).
+        spec: device figures (default: detected, or ``options.device``).
+        analysis: :func:`analyze_pair` of this very pair (to plan several budgets on one
+            analysis); computed when ``None``.
+        margins: per-op workspace measured by the runtime check of the first steps
+            (:mod:`.runtime.step_check`): liveness counts it, and the budget is the one the
+            first plan resolved (``margins.budget_bytes``).
 
-    ``margins`` (workspace measured by the runtime check of the first steps, see
-    :mod:`.runtime.step_check`): liveness counts the measured workspace of each op, and the
-    budget is the one the first plan resolved (``margins.budget_bytes``).
+    Without parameter offload the joint planner (:func:`~.passes.plan_recompute.plan_joint`)
+    chooses keep, offload or recompute per saved activation (``options.strategy``). With
+    ``offload="all"`` the optimizer split (:mod:`.passes.optimizer_split`, option
+    ``optimizer_on_device``) is chosen first, and the predictions include the optimizer update
+    (:func:`~.passes.param_residency.step_timeline`).
 
-    Returns ``(liveness, costs, budget_bytes, plan, pass_seconds, joint)``; with ``model_state``
-    the liveness returned is the activation view and ``joint`` holds no recomputation.
+    Returns:
+        A :class:`PairPlan`.
     """
-    seconds: dict[str, float] = {}
+    ms = model_state if model_state is not None else ModelState()
+    analysis = analysis or analyze_pair(pair, options, spec, margins)
+    live, costs = analysis.liveness, analysis.costs
+    seconds = dict(analysis.seconds)
+    step_budget = margins.budget_bytes if margins is not None else resolve_budget(options, live, ms)
+    budget = None if step_budget is None else step_budget - ms.resident_bytes
+    residency = split = update = None
+    view = live
+    joint = None
+    update_s = exposed_update_s = 0.0
+    device_state = 0
     t0 = time.perf_counter()
-    live = liveness.analyze(pair, assume_fusion=options.inner == "inductor", margins=margins)
-    seconds["liveness"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    device = torch.device(live.device)
-    spec = cost_model.apply_overrides(spec or detect_device_spec(device, options.device), options)
-    costs = cost_model.estimate(pair, live, spec)
-    seconds["cost_model"] = time.perf_counter() - t0
-    resident = sum(
-        b.size_bytes
-        for b in live.buffers
-        if b.on_device and b.kind in (liveness.BufferKind.PARAMETER, liveness.BufferKind.INPUT)
-    )
-    if margins is not None:
-        budget = margins.budget_bytes
-    else:
-        budget = resolve_budget(options.memory_budget, live.peak_bytes, device, options, resident)
-    t0 = time.perf_counter()
-    if model_state:
-        from .passes import param_residency
-
-        t0 = time.perf_counter()
-        chosen = {i: v for i, v in model_state.items() if isinstance(i, int)}
-        model_state["liveness"] = real = live
-        if options.offload == "all":
-            # The optimizer update is part of the step; optimizer_on_device may keep a share of it
-            # (parameters, gradients, optimizer state) on the device (passes/optimizer_split.py).
+    if ms.params:
+        if ms.offload == "all" and ms.host_grad is not False:  # (host_grad=False: the inference rewrite)
             from .passes import optimizer_split
 
-            owner = model_state.get("optimizer")
-            update = (
-                cost_model.host_update_from_optimizer(spec, owner)
-                if owner is not None
-                else cost_model.host_update_model(spec)
+            update = ms.update if ms.update is not None else cost_model.host_update_model(costs.device)
+            split, residency, view, act = optimizer_split.plan(
+                pair, live, costs, ms.params, budget, options.min_offload_bytes, update, options.optimizer_on_device
             )
-            model_state["update"] = update
-            split, residency, live, the_plan = optimizer_split.plan(
-                pair, real, costs, chosen, budget, options.min_offload_bytes, update, options.optimizer_on_device
-            )
-            model_state["split"] = split
-            model_state["plan"] = residency
+            device_state = split.device_state_bytes
             seconds["param_residency"] = time.perf_counter() - t0
-            seconds["plan_window"] = 0.0
-            return live, costs, budget, the_plan, seconds, _offload_only(live, costs, the_plan)
-        for use_windows in (True, False):
-            residency = param_residency.plan(
-                pair, real, costs, chosen, options.offload, real.live_bytes(), budget, use_windows=use_windows
+        else:
+            residency, view, act, plan_s = param_residency.plan_with_activations(
+                pair, live, costs, ms.params, ms.offload, budget, options.min_offload_bytes, ms.host_grad
             )
-            live = param_residency.activation_view(real, residency)
-            the_plan = plan_window.plan(live, costs, budget, options.min_offload_bytes)
-            if the_plan.feasible or not residency.max_window_steps:
-                break
-        model_state["plan"] = residency
-        seconds["param_residency"] = time.perf_counter() - t0
-        seconds["plan_window"] = 0.0
-        return live, costs, budget, the_plan, seconds, _offload_only(live, costs, the_plan)
-    joint = plan_recompute.plan_joint(
-        pair,
-        live,
-        costs,
-        budget,
-        options.strategy,
-        options.min_offload_bytes,
-        rng_replay=options.inner == "eager",
-        assume_fusion=options.inner == "inductor",
+            seconds["param_residency"] = plan_s
+            seconds["plan_window"] = time.perf_counter() - t0 - plan_s
+        resident_peak = int(plan_window.planned_live_bytes(live, act.evictions).max()) if live.num_steps else 0
+        residency = replace(residency, peak_bytes=act.peak_bytes_planned, peak_bytes_resident_params=resident_peak)
+        timeline = param_residency.step_timeline(
+            residency,
+            costs,
+            plan_window.copy_tasks(act.evictions, costs),
+            update,
+            split.device_param_bytes if split is not None else 0,
+        )
+        step_s, exposed_s = timeline.step_seconds, timeline.exposed_seconds
+        if update is not None:
+            update_s, exposed_update_s = timeline.update_seconds, timeline.exposed_update_seconds
+        joint = plan_recompute.JointPlan(
+            plan_recompute.RecomputePlan("offload", "offload only"), (), view, view, costs, act
+        )
+    else:
+        joint = plan_recompute.plan_joint(
+            pair,
+            live,
+            costs,
+            budget,
+            options.strategy,
+            options.min_offload_bytes,
+            rng_replay=options.inner == "eager",
+            assume_fusion=options.inner == "inductor",
+            margins=margins,
+        )
+        seconds["plan_window"] = time.perf_counter() - t0  # the joint planner, plan_window included
+        act, view, costs = joint.plan, joint.liveness, joint.costs
+        step_s, exposed_s = act.predicted_step_seconds, act.exposed_transfer_seconds
+        resident_peak = None
+    if device_state:
+        budget = None if budget is None else budget - device_state
+    extra = ms.resident_bytes + device_state
+    predictions = Predictions(
+        unplanned_peak_bytes=live.peak_bytes + ms.optimizer_state_bytes,
+        planned_peak_bytes=act.peak_bytes_planned + extra,
+        lowest_reachable_peak_bytes=act.lowest_reachable_peak_bytes + extra,
+        feasible=act.feasible,
+        step_seconds=step_s,
+        exposed_transfer_seconds=exposed_s,
+        compute_seconds=costs.compute_seconds,
+        host_bytes=ms.host_bytes,
+        peak_bytes_resident_params=None if resident_peak is None else resident_peak + extra,
+        update_seconds=update_s,
+        exposed_update_seconds=exposed_update_s,
+    )
+    return PairPlan(
+        model_state=ms,
+        liveness=live,
+        activation_liveness=view,
+        costs=costs,
+        step_budget_bytes=step_budget,
+        budget_bytes=budget,
+        residency=residency,
+        activations=act,
+        predictions=predictions,
+        pass_seconds=tuple(seconds.items()),
+        joint=joint,
+        split=split,
+        update=update,
         margins=margins,
     )
-    seconds["plan_window"] = time.perf_counter() - t0  # the joint planner, plan_window included
-    return joint.liveness, joint.costs, budget, joint.plan, seconds, joint
 
 
-def _offload_only(live: liveness.Liveness, costs: cost_model.Costs, the_plan: plan_window.Plan):
-    """The joint planner's answer where it does not run (parameter offload: keep or offload)."""
-    return plan_recompute.JointPlan(
-        plan_recompute.RecomputePlan("offload", "offload only"), (), live, live, costs, the_plan
+# ---------------------------------------------------------------------------------- rewrites
+
+
+@dataclass
+class RewriteContext:
+    """What the rewrite passes of one pair share (mutable: the graphs change under it).
+
+    Attributes:
+        pair: the graphs being rewritten.
+        session: the compile session (options, runtime id, residency plans).
+        step_nodes: the joint schedule's nodes as planned (forward then backward): the plan's
+            step indices refer to them, so inserted nodes shift nothing.
+        dumper: writes the dumps (``None`` without ``dump_dir``).
+        seconds: pass name -> wall seconds, in run order.
+        run_order: ``(pass name, dump stage or None)`` of each pass that ran, in order.
+    """
+
+    pair: GraphPair
+    session: CompileSession
+    step_nodes: list
+    dumper: GraphDumper | None = None
+    seconds: dict = field(default_factory=dict)
+    run_order: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RewritePass:
+    """One entry of the declared rewrite list.
+
+    Attributes:
+        name: the timing key (``TrinityReport.pass_seconds``).
+        dump: the dump stage its graphs are written as (``<dump>.forward.py``, ...).
+        run: ``run(ctx, plan)`` mutates ``ctx.pair`` and returns the plan with what the pass
+            decided, or ``None`` when it changed nothing (then no dump is written).
+    """
+
+    name: str
+    dump: str
+    run: Callable[[RewriteContext, PairPlan], PairPlan | None]
+
+
+def _insert_recompute(ctx: RewriteContext, plan: PairPlan) -> PairPlan | None:
+    joint = plan.joint
+    if joint is None or not joint.chains:
+        return None
+    insert_recompute.apply(ctx.pair, joint.source_liveness, joint.chains)
+    fw, bw = ctx.pair.forward.graph.nodes, ctx.pair.backward.graph.nodes
+    if (tuple(n.name for n in fw), tuple(n.name for n in bw)) != joint.rewritten_names:
+        raise RuntimeError(
+            "trinity internal error: the recomputation rewrote the graphs differently from the copy it was planned on"
+        )
+    # The activation plan's steps refer to the graphs with the recomputation.
+    ctx.step_nodes = list(fw) + list(bw)
+    return plan
+
+
+def _insert_transfers(ctx: RewriteContext, plan: PairPlan) -> PairPlan | None:
+    if not plan.activations.evictions:
+        return None
+    opts = ctx.session.options
+    insert_transfers.apply(
+        ctx.pair,
+        plan.activation_liveness,
+        plan.activations,
+        ctx.session.runtime.id,
+        fence_readers=opts.inner == "inductor",
     )
+    return plan
+
+
+def _assign_streams(ctx: RewriteContext, plan: PairPlan) -> PairPlan | None:
+    opts = ctx.session.options
+    if opts.compute_streams <= 1:
+        return None
+    if plan.residency is not None:
+        # Not combined yet: a side stream's read of a parameter is not ordered before the
+        # parameter's release (README, "Limits today").
+        warnings.warn(
+            f"trinity: num_streams={opts.num_streams} is ignored with offload={opts.offload!r}: parameter "
+            "offload and several compute streams are not combined yet (README, 'Limits today'); the graphs "
+            "run on one compute stream. Use num_streams=1 to silence this warning.",
+            stacklevel=5,
+        )
+        return None
+    stream_plans = ctx.session._assign_streams(ctx.pair, plan.costs, plan.activations.peak_bytes_planned)
+    if not stream_plans:
+        return None
+    if ctx.dumper:
+        ctx.dumper.json("streams.json", {k: asdict(v) for k, v in stream_plans.items()})
+    return replace(plan, stream_plans=stream_plans)
+
+
+def _apply_param_residency(ctx: RewriteContext, plan: PairPlan) -> PairPlan | None:
+    if plan.residency is None:
+        return None
+    param_residency.apply(ctx.pair, plan.residency, ctx.step_nodes, ctx.session.runtime.id)
+    ctx.session.residency_plans.append(plan.residency)
+    log.info("%s", plan.residency.summary())
+    if ctx.dumper:
+        ctx.dumper.text("residency.json", plan.residency.to_json())
+    return plan
+
+
+REWRITE_PASSES: tuple[RewritePass, ...] = (
+    RewritePass("insert_recompute", "07_insert_recompute", _insert_recompute),
+    RewritePass("insert_transfers", "10_insert_transfers", _insert_transfers),
+    RewritePass("assign_streams", "20_assign_streams", _assign_streams),
+    RewritePass("param_residency_apply", "30_param_residency", _apply_param_residency),
+)
+"""The rewrite passes, in the order they run (after planning, before the verifier)."""
+
+
+def _verify(ctx: RewriteContext, plan: PairPlan) -> PairPlan:
+    """The verifier, after every rewrite: parameter residency first (structure), then the
+    activation transfers, happens-before and the re-measured peak against the pair's budget
+    (every mode; the budget of an infeasible plan that runs anyway is not checked)."""
+    opts = ctx.session.options
+    if plan.residency is not None:
+        errors = param_residency.check(ctx.pair, plan.residency)
+        if errors:
+            raise verify.VerificationError(
+                "trinity verification of parameter residency failed:\n  - " + "\n  - ".join(errors)
+            )
+    peak = verify.verify(
+        ctx.pair,
+        plan.budget_bytes if plan.activations.feasible else None,
+        expected_peak_bytes=plan.activations.peak_bytes_planned,
+        assume_fusion=opts.inner == "inductor",
+        margins=plan.margins,
+    )
+    return replace(plan, verified_peak_bytes=peak)
+
+
+def run_rewrites(ctx: RewriteContext, plan: PairPlan, passes: tuple[RewritePass, ...] = REWRITE_PASSES) -> PairPlan:
+    """Run ``passes`` in order on ``ctx.pair``, then the verifier (when ``verify`` is on).
+
+    Each pass is timed into ``ctx.seconds``; with a dumper, the graphs are written as the pass's
+    dump stage right after it changed them, so consecutive dumps differ exactly by what one pass
+    did, and ``passes.json`` lists the passes in run order. Returns the final plan.
+
+    Raises:
+        offload_compiler.passes.verify.VerificationError: when the verifier finds a violation.
+    """
+    for p in passes:
+        t0 = time.perf_counter()
+        out = p.run(ctx, plan)
+        ctx.seconds[p.name] = time.perf_counter() - t0
+        if out is None:
+            continue
+        plan = out
+        ctx.run_order.append((p.name, p.dump))
+        if ctx.dumper:
+            ctx.dumper.graphs(p.dump, ctx.pair.forward, ctx.pair.backward)
+    if ctx.session.options.verify:
+        t0 = time.perf_counter()
+        plan = _verify(ctx, plan)
+        ctx.seconds["verify"] = time.perf_counter() - t0
+        ctx.run_order.append(("verify", None))
+    if ctx.dumper:
+        ctx.dumper.json(
+            "passes.json",
+            [{"pass": name, "dump": dump, "seconds": ctx.seconds[name]} for name, dump in ctx.run_order],
+        )
+    return plan
 
 
 def _liveness_json(live: liveness.Liveness, costs: cost_model.Costs) -> dict[str, Any]:
@@ -258,6 +656,19 @@ class CompileSession:
         self.margins: WorkspaceMargins | None = None
         self.planned_steps = None
 
+    def model_state(self, pair: GraphPair) -> ModelState:
+        """The :class:`ModelState` of ``pair``: its parameter inputs that have slots
+        (``offload`` other than ``"activations"``), with their slots' host bytes."""
+        static = set(pair.static_input_indices)
+        params = {i: (s.id, s.host_bytes) for i, s in self.param_slots.items() if i in static}
+        update = None
+        if params and self.options.offload == "all":
+            owner = next((s.owner() for s in self.param_slots.values() if s.owner()), None)
+            if owner is not None:
+                spec = cost_model.apply_overrides(detect_device_spec(self.device, self.options.device), self.options)
+                update = cost_model.host_update_from_optimizer(spec, owner)
+        return ModelState(offload=self.options.offload, params=params, update=update)
+
     def _assign_streams(
         self, pair: GraphPair, costs: cost_model.Costs, planned_peak: int
     ) -> dict[str, assign_streams.StreamPlan]:
@@ -265,7 +676,7 @@ class CompileSession:
         raise the planned peak. Returns the plans that were applied (by graph name)."""
         opts = self.options
         if opts.inner != "eager":
-            warnings.warn(_INDUCTOR_STREAMS_WARNING, stacklevel=3)
+            warnings.warn(_INDUCTOR_STREAMS_WARNING, stacklevel=5)
             return {}
         plans = {}
         offset = 0  # the two graphs share the runtime's events: disjoint ids
@@ -311,50 +722,33 @@ class CompileSession:
                 if other is slot:  # the same parameter at several inputs
                     del self.param_slots[i]
 
-    def run(
-        self, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, static_input_indices
-    ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """Plan and rewrite one partitioned pair in place; returns it. (It runs inside the
-        backend's call, which notes a failure in the report log.)"""
+    def run(self, pair: GraphPair) -> PairPlan:
+        """Prepare, plan (:func:`plan_pair`), rewrite (:data:`REWRITE_PASSES`) and verify one
+        partitioned pair in place, then record its report. Returns the final plan. (It runs
+        inside the backend's call, which notes a failure in the report log.)
+
+        Raises:
+            InfeasibleBudgetError: when no plan reaches the budget and ``on_infeasible="error"``.
+            offload_compiler.passes.verify.VerificationError: when the verifier refuses the
+                rewritten graphs.
+        """
         opts = self.options
         graph_id = next_graph_id()
-        pair = GraphPair(forward, backward, num_fwd_outputs, tuple(static_input_indices or ()))
         dumper = GraphDumper(opts.dump_dir, graph_id) if opts.dump_dir is not None else None
         if dumper:
-            dumper.graphs("00_partitioned", forward, backward)
+            dumper.graphs("00_partitioned", pair.forward, pair.backward)
         t0 = time.perf_counter()
-        fill_tuple_vals(forward)
-        fill_tuple_vals(backward)
-        moved = reorder.hoist_frees(forward) + reorder.hoist_frees(backward)
-        reorder_seconds = time.perf_counter() - t0
+        moved = prepare(pair)
+        seconds = {"reorder": time.perf_counter() - t0}
         if dumper and moved:
-            dumper.graphs("05_reorder", forward, backward)
-        model_state = None
-        if self.param_slots:
-            static = set(pair.static_input_indices)
-            model_state = {i: (s.id, s.host_bytes) for i, s in self.param_slots.items() if i in static}
-            model_state["optimizer"] = next((s.owner() for s in self.param_slots.values() if s.owner()), None)
-        live, costs, budget, the_plan, seconds, joint = plan_pair(
-            pair, opts, model_state=model_state, margins=self.margins
-        )
-        if model_state and model_state.get("split") is not None:
-            self._keep_on_device(model_state["split"])
-        seconds = {"reorder": reorder_seconds, **seconds}
-        if joint.chains:
-            t0 = time.perf_counter()
-            insert_recompute.apply(pair, joint.source_liveness, joint.chains)
-            names = (tuple(n.name for n in forward.graph.nodes), tuple(n.name for n in backward.graph.nodes))
-            if names != joint.rewritten_names:
-                raise RuntimeError(
-                    "trinity internal error: the recomputation rewrote the graphs differently from the copy "
-                    "it was planned on"
-                )
-            seconds["insert_recompute"] = time.perf_counter() - t0
-            if dumper:
-                dumper.graphs("07_insert_recompute", forward, backward)
-        step_nodes = list(forward.graph.nodes) + list(backward.graph.nodes)
+            dumper.graphs("05_reorder", pair.forward, pair.backward)
+        the_plan = plan_pair(pair, opts, self.model_state(pair), margins=self.margins)
+        if the_plan.split is not None:
+            self._keep_on_device(the_plan.split)
+        seconds.update(the_plan.pass_seconds)
+        act, view, joint = the_plan.activations, the_plan.activation_liveness, the_plan.joint
         if dumper:
-            dumper.json("liveness.json", _liveness_json(live, costs))
+            dumper.json("liveness.json", _liveness_json(view, the_plan.costs))
             dumper.json(
                 "recompute.json",
                 {
@@ -365,17 +759,16 @@ class CompileSession:
                 },
             )
         fallback = None
-        if not the_plan.feasible:
+        if not act.feasible:
             # A percentage budget is a fraction of the peak resolve_budget saw (with parameter
             # offload, the one with every parameter resident).
-            reference = (model_state["liveness"] if model_state else live).peak_bytes
             message = plan_window.describe_infeasible(
-                the_plan,
-                live,
+                act,
+                view,
                 opts.memory_budget.describe(),
                 opts.min_offload_bytes,
                 opts.on_infeasible,
-                unplanned_peak_bytes=reference,
+                unplanned_peak_bytes=the_plan.liveness.peak_bytes,
             )
             message += plan_recompute.infeasible_note(joint.recompute)
             if opts.on_infeasible == "error":
@@ -384,78 +777,17 @@ class CompileSession:
                 raise InfeasibleBudgetError(message)
             warnings.warn(message + " (on_infeasible='warn': using the lowest-peak plan)", stacklevel=2)
             fallback = "budget infeasible; running the lowest-peak plan"
-        size_guards = size_guard.guard_planned_sizes(pair, live, budget)
-        if budget is not None and live.peak_bytes > budget and not the_plan.evictions and not joint.chains:
+        size_guards = size_guard.guard_planned_sizes(pair, view, the_plan.budget_bytes)
+        if (
+            the_plan.budget_bytes is not None
+            and the_plan.liveness.peak_bytes > the_plan.budget_bytes
+            and not act.evictions
+            and not joint.chains
+        ):
             fallback = "budget below the unplanned peak but nothing can be offloaded"
-        t0 = time.perf_counter()
-        if the_plan.evictions:
-            insert_transfers.apply(pair, live, the_plan, self.runtime.id, fence_readers=opts.inner == "inductor")
-        seconds["insert_transfers"] = time.perf_counter() - t0
-        stream_plans: dict[str, assign_streams.StreamPlan] = {}
-        if opts.compute_streams > 1 and model_state:
-            # Not combined yet: a side stream's read of a parameter is not ordered before the
-            # parameter's release (README, "Limits today").
-            warnings.warn(
-                f"trinity: num_streams={opts.num_streams} is ignored with offload={opts.offload!r}: parameter "
-                "offload and several compute streams are not combined yet (README, 'Limits today'); the graphs "
-                "run on one compute stream. Use num_streams=1 to silence this warning.",
-                stacklevel=3,
-            )
-        elif opts.compute_streams > 1:
-            t0 = time.perf_counter()
-            stream_plans = self._assign_streams(pair, costs, the_plan.peak_bytes_planned)
-            seconds["assign_streams"] = time.perf_counter() - t0
-            if dumper and stream_plans:
-                dumper.graphs("20_assign_streams", forward, backward)
-                dumper.json("streams.json", {k: asdict(v) for k, v in stream_plans.items()})
-        planned_peak = the_plan.peak_bytes_planned
-        # Before the parameter rewrite the graphs hold every parameter throughout: that is what
-        # the verifier re-measures (the budget applies to the peak with parameter residency).
-        resident_peak = the_plan.peak_bytes_planned
-        if model_state:
-            resident_peak = int(plan_window.planned_live_bytes(model_state["liveness"], the_plan.evictions).max())
-        if opts.verify:
-            t0 = time.perf_counter()
-            verified = verify.verify(
-                pair,
-                budget if the_plan.feasible and not model_state else None,
-                expected_peak_bytes=resident_peak,
-                assume_fusion=opts.inner == "inductor",
-                margins=self.margins,
-            )
-            if not model_state:
-                planned_peak = verified
-            seconds["verify"] = time.perf_counter() - t0
-        residency = None
-        if model_state:
-            from .passes import param_residency
-
-            t0 = time.perf_counter()
-            residency = dataclasses.replace(
-                model_state["plan"], peak_bytes=the_plan.peak_bytes_planned, peak_bytes_resident_params=resident_peak
-            )
-            param_residency.apply(pair, residency, step_nodes, self.runtime.id)
-            if opts.verify:
-                errors = param_residency.check(pair, residency)
-                if errors:
-                    raise verify.VerificationError(
-                        "trinity verification of parameter residency failed:\n  - " + "\n  - ".join(errors)
-                    )
-            self.residency_plans.append(residency)
-            # The step with the parameter copies too, issued and waited for where the graphs do.
-            act_tasks = plan_window.copy_tasks(the_plan.evictions, costs)
-            split = model_state.get("split")
-            param_timeline = param_residency.step_timeline(
-                residency,
-                costs,
-                act_tasks,
-                model_state.get("update"),
-                split.device_param_bytes if split is not None else 0,
-            )
-            seconds["param_residency"] += time.perf_counter() - t0
-            log.info("%s", residency.summary())
-            if dumper:
-                dumper.text("residency.json", residency.to_json())
+        step_nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
+        ctx = RewriteContext(pair, self, step_nodes, dumper, seconds)
+        the_plan = run_rewrites(ctx, the_plan)
         if opts.runtime_check != "off" and opts.fault_injection is None:
             from .runtime.step_check import PlannedSteps
 
@@ -464,79 +796,25 @@ class CompileSession:
             except Exception as exc:  # the check is optional; it never fails a compile
                 log.warning("runtime_check: no per-node accounting of the rewritten pair (%s); not checked", exc)
         if dumper:
-            dumper.graphs("10_insert_transfers", forward, backward)
-            dumper.text("plan.json", the_plan.to_json())
-            after = plan_window.planned_live_bytes(live, the_plan.evictions)
-            dumper.memory_plot(live.live_bytes(), after, budget, live.num_fw_steps)
+            dumper.text("plan.json", act.to_json())
+            after = plan_window.planned_live_bytes(view, act.evictions)
+            dumper.memory_plot(view.live_bytes(), after, the_plan.budget_bytes, view.num_fw_steps)
             t0 = time.perf_counter()
             timeline = simulate.simulate_pair(
-                pair, costs.device, assume_fusion=opts.inner == "inductor", pinned=costs.pinned
+                pair, the_plan.costs.device, assume_fusion=opts.inner == "inductor", pinned=the_plan.costs.pinned
             )
             dumper.json("timeline.json", timeline.chrome_trace())
             seconds["simulate"] = time.perf_counter() - t0
-        report = TrinityReport(
+        report = TrinityReport.from_plan(
+            the_plan,
             graph_id=graph_id,
             device=str(self.device),
-            inner=opts.inner,
-            budget_request=opts.memory_budget.describe(),
-            budget_bytes=budget,
-            peak_bytes_unplanned=joint.source_liveness.peak_bytes,
-            peak_bytes_planned=planned_peak,
-            lowest_reachable_peak_bytes=the_plan.lowest_reachable_peak_bytes,
-            evicted_bytes=the_plan.evicted_bytes,
-            copy_bytes=the_plan.copy_bytes,
-            num_evicted=len(the_plan.evictions),
-            num_candidates=the_plan.num_candidates,
-            num_saved=len(live.saved),
-            predicted_step_seconds=the_plan.predicted_step_seconds,
-            exposed_transfer_seconds=the_plan.exposed_transfer_seconds,
-            compute_seconds=the_plan.compute_seconds,
-            feasible=the_plan.feasible,
-            fallback_reason=fallback,
-            pass_seconds=tuple(seconds.items()),
-            dump_dir=str(dumper.dir) if dumper else None,
+            options=opts,
             runtime_id=self.runtime.id,
-            device_name=costs.device.name,
+            pass_seconds=tuple(seconds.items()),
+            fallback_reason=fallback,
             size_bounds=size_guards.bounds,
-            streams=tuple(
-                (name, p.used_streams, p.num_events, p.seconds, p.single_stream_seconds)
-                for name, p in stream_plans.items()
-            ),
-            param_offload=(
-                {
-                    "mode": residency.mode,
-                    "num_params": len(residency.params),
-                    "host_bytes": residency.host_bytes,
-                    "peak_bytes": residency.peak_bytes,
-                    "peak_bytes_resident_params": residency.peak_bytes_resident_params,
-                    "max_window_steps": residency.max_window_steps,
-                    "window_seconds": residency.window_seconds,
-                    "predicted_step_seconds": param_timeline.step_seconds,
-                    "exposed_transfer_seconds": param_timeline.exposed_seconds,
-                    "update_seconds": param_timeline.update_seconds,
-                    "exposed_update_seconds": param_timeline.exposed_update_seconds,
-                    "update": model_state["update"].description if model_state.get("update") else None,
-                    "optimizer_on_device": (
-                        {
-                            "request": model_state["split"].request,
-                            "num_params": len(model_state["split"].positions),
-                            "param_bytes": model_state["split"].device_param_bytes,
-                            "state_bytes": model_state["split"].device_state_bytes,
-                            "share": model_state["split"].share,
-                            "candidates": model_state["split"].candidates,
-                        }
-                        if model_state.get("split") is not None
-                        else None
-                    ),
-                }
-                if residency is not None
-                else None
-            ),
-            not_offloaded=tuple(
-                (st.fw_node, st.reason)
-                for st in live.saved
-                if not st.evictable and not st.reason.startswith("aliases a")
-            ),
+            dump_dir=str(dumper.dir) if dumper else None,
             strategy=opts.strategy,
             recompute=plan_recompute.summary(joint.recompute),
             decisions=plan_recompute.decisions(joint),
@@ -547,7 +825,7 @@ class CompileSession:
         record_report(report)
         self.reports.append(report)
         log.info("%s", report.summary())
-        return forward, backward
+        return the_plan
 
 
 _INDUCTOR_STREAMS_WARNING = (
@@ -557,6 +835,27 @@ _INDUCTOR_STREAMS_WARNING = (
     "register new streams there, and torch 2.11 has no such support. Use inner='eager' for "
     "multi-stream compute, or num_streams=1 to silence this warning."
 )
+
+
+def partition(joint: fx.GraphModule, joint_inputs, **kwargs) -> GraphPair:
+    """The partition entry every caller uses: PyTorch's min-cut partitioner on AOTAutograd's
+    joint graph, with AOTAutograd's keyword arguments passed through unchanged.
+
+    ``kwargs`` are what AOTAutograd (or Inductor's ``partition_fn``) hands a partition function:
+    ``num_fwd_outputs``, ``static_lifetime_input_indices`` (the parameters and buffers: the
+    partitioner saves a static input itself instead of a view of it, since it costs no memory)
+    and, under Inductor, ``compiler="inductor"``. The backend (:class:`TrinityPartitioner`), the
+    ``plan`` command's fake trace (:mod:`offload_compiler.trace`) and the per-pass tests call this
+    one function, so they see the same graphs.
+
+    Returns:
+        The :class:`~offload_compiler.graph_pair.GraphPair`; its ``static_input_indices`` are the
+        ``static_lifetime_input_indices`` given.
+    """
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    return GraphPair(fw, bw, kwargs["num_fwd_outputs"], tuple(kwargs.get("static_lifetime_input_indices") or ()))
 
 
 class TrinityPartitioner(CustomPartitionerFn):
@@ -570,10 +869,9 @@ class TrinityPartitioner(CustomPartitionerFn):
         self.session = session
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        return self.session.run(fw, bw, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices") or ())
+        pair = partition(gm, joint_inputs, **kwargs)
+        self.session.run(pair)
+        return pair.forward, pair.backward
 
     def uuid(self) -> Any:
         # Caches are disabled while trinity compiles (the plan depends on options and on this

@@ -1,8 +1,10 @@
 """``python -m offload_compiler plan``: will this model's training step fit, and how fast?
 
-Traces the training step on fake tensors (nothing real is allocated: a 7B model plans on a
-laptop), runs the same passes as the backend (reorder, liveness, cost model, planner) for each
-budget against a device's figures, and prints a table: parameters, the peak without offloading,
+Traces the training step on fake tensors (nothing real is allocated: a 70B model plans on a
+laptop) through the backend's own partition entry, with the same arguments, plans it for each
+budget through the backend's planning spine (:func:`offload_compiler.pipeline.plan_pair`, the
+very function ``torch.compile(backend="trinity")`` calls) against a device's figures, and prints
+a table: parameters, the peak without offloading,
 the planned peak, the predicted step time and the copy time left exposed. Optimizer state
 (``adamw``: two tensors per parameter; ``sgd``: one momentum tensor; ``none``) is resident device
 memory and counts in every peak, except with ``--offload all``. ``--offload`` plans model-state
@@ -10,15 +12,18 @@ offloading as the backend's option does: with ``activations+params`` or ``all`` 
 are fetched around their uses (:mod:`.passes.param_residency`), with ``all`` gradients and
 optimizer state live in host memory; the host bytes are reported and the parameter copies are
 part of the simulated step. With ``all`` the host optimizer update is part of it too (the same
-:func:`~.passes.param_residency.step_timeline` and :mod:`.passes.optimizer_split` as the backend:
-``--cpu-optimizer``, ``--overlap`` and ``--optimizer-on-device`` as ``CPUOptimizer`` and the
-option say; ``--host-bandwidth`` states the host's memory bandwidth), and the host-update seconds
-per step are printed. ``--strategy`` chooses how saved activations meet a budget, as the backend's
-option does: ``auto`` (keep, offload or recompute, the joint planner of
-:mod:`.passes.plan_recompute`), ``offload`` or ``recompute``; the ``recompute`` column shows what is
-recomputed in the backward and its predicted seconds. It draws the memory/time frontier over the
-budgets as a PNG and names the smallest budget whose predicted step is within 5% of the step
-without offloading.
+:func:`~.passes.param_residency.step_timeline` and :mod:`.passes.optimizer_split` as the backend,
+through the spine: ``--cpu-optimizer``, ``--overlap`` and ``--optimizer-on-device`` as
+``CPUOptimizer`` and the option say; ``--host-bandwidth`` states the host's memory bandwidth),
+and the host-update seconds per step are printed. ``--strategy`` chooses how saved activations
+meet a budget, as the backend's option does: ``auto`` (keep, offload or recompute, the joint
+planner of :mod:`.passes.plan_recompute`), ``offload`` or ``recompute``; the ``recompute`` column
+shows what is recomputed in the backward and its predicted seconds. It draws the memory/time
+frontier over the budgets as a PNG and names the smallest budget whose predicted step is within
+5% of the step without offloading. ``plan --world N`` plans multi-GPU layouts instead
+(:mod:`.world_plan`).
+``--json FILE`` writes the rows for scripts. ``--inner`` is the inner compiler assumed (the
+backend's default, Inductor, for ``--offload activations``; parameter offload needs ``eager``).
 
 This is the "impossible trinity" made explicit: a larger model, a faster step or a cheaper GPU.
 """
@@ -26,20 +31,20 @@ This is the "impossible trinity" made explicit: a larger model, a faster step or
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from .devices import KNOWN_DEVICES, DeviceSpec, lookup_device
-from .graph_pair import fill_tuple_vals
-from .options import MemoryBudget, format_bytes, parse_size
-from .passes import cost_model, liveness, optimizer_split, param_residency, plan_recompute, plan_window, reorder
-from .passes.simulate import simulate
+from .options import MemoryBudget, TrinityOptions, format_bytes, parse_size
+from .passes import cost_model, param_residency, plan_recompute
+from .trace import TracedStep
 
-__all__ = ["PlanRow", "plan_model", "main"]
+__all__ = ["PlanRow", "PlanResult", "plan_model", "plan_step", "default_inner", "model_builder", "HFCausalLM", "main"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -54,7 +59,8 @@ _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One budget's plan (bytes include the optimizer state; seconds are predictions)."""
+    """One budget's plan (bytes include the optimizer state when it is on the device; seconds are
+    predictions, with every copy the step issues). An infeasible row is the lowest-peak plan."""
 
     budget: str
     budget_bytes: int
@@ -66,6 +72,8 @@ class PlanRow:
     evicted_bytes: int
     num_evicted: int
     fits_device: bool
+    host_bytes: int = 0
+    peak_step: int = -1
     update_seconds: float = 0.0
     exposed_update_seconds: float = 0.0
     device_share: float = 0.0
@@ -74,6 +82,34 @@ class PlanRow:
     recompute_seconds: float = 0.0
     recompute_flops: int = 0
     chosen: str = ""
+
+    def to_json(self) -> dict:
+        """The row for scripts: budget, planned peak, lowest reachable, predicted step, exposed
+        copy, host bytes, fits (bytes and seconds; the step figures are ``None`` when the
+        budget is infeasible)."""
+        ok = self.feasible
+        return {
+            "budget": self.budget,
+            "budget_bytes": self.budget_bytes,
+            "planned_peak_bytes": self.planned_peak_bytes,
+            "lowest_reachable_bytes": self.lowest_reachable_bytes,
+            "predicted_step_seconds": self.predicted_step_seconds if ok else None,
+            "exposed_copy_seconds": self.exposed_seconds if ok else None,
+            "host_bytes": self.host_bytes,
+            "evicted_bytes": self.evicted_bytes,
+            "num_evicted": self.num_evicted,
+            "peak_step": self.peak_step,
+            "update_seconds": self.update_seconds if ok else None,
+            "exposed_update_seconds": self.exposed_update_seconds if ok else None,
+            "optimizer_on_device_share": self.device_share,
+            "recomputed_bytes": self.recomputed_bytes,
+            "num_recomputed": self.num_recomputed,
+            "recompute_seconds": self.recompute_seconds,
+            "recompute_flops": self.recompute_flops,
+            "chosen": self.chosen,
+            "feasible": ok,
+            "fits": ok and self.fits_device,
+        }
 
 
 @dataclass(frozen=True)
@@ -90,6 +126,7 @@ class PlanResult:
     plan_seconds: float
     offload: str = "activations"
     host_model_state_bytes: int = 0
+    inner: str = "inductor"
     strategy: str = "offload"
     update: str = ""
 
@@ -98,13 +135,46 @@ class PlanResult:
         ok = [r for r in self.rows if r.feasible and r.predicted_step_seconds <= 1.05 * self.compute_seconds]
         return min(ok, key=lambda r: r.budget_bytes) if ok else None
 
+    def to_json(self) -> dict:
+        """The result for scripts (``plan --json``): the model, the device figures, and one row
+        per budget (:meth:`PlanRow.to_json`)."""
+        return {
+            "model": self.model,
+            "device": self.device.name,
+            "device_memory_bytes": self.device.memory_bytes,
+            "offload": self.offload,
+            "inner": self.inner,
+            "strategy": self.strategy,
+            "update": self.update,
+            "num_params": self.num_params,
+            "param_bytes": self.param_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "host_model_state_bytes": self.host_model_state_bytes,
+            "unplanned_peak_bytes": self.unplanned_peak_bytes,
+            "compute_seconds": self.compute_seconds,
+            "trace_seconds": self.trace_seconds,
+            "plan_seconds": self.plan_seconds,
+            "rows": [r.to_json() for r in self.rows],
+        }
 
-def _build(model, seq_len: int, hf_overrides: dict):
+
+def model_builder(model, seq_len: int, hf_overrides: dict):
+    """``(build, vocab_size)`` for a preset (its name, or a :class:`~.models.presets.Preset`
+    built by the caller) or ``hf:<model_type>``: ``build()`` makes the module (token ids in,
+    logits out).
+
+    Raises:
+        ValueError: for an unknown model, a sequence too long for it, or ``hf:`` without
+            transformers.
+    """
     from .models.presets import Preset, get_preset
 
     if isinstance(model, Preset):
         preset = model
-    elif model.startswith("hf:"):
+        if preset.max_seq_len is not None and seq_len > preset.max_seq_len:
+            raise ValueError(f"model {preset.name!r} takes sequences up to {preset.max_seq_len}, got {seq_len}")
+        return (lambda: preset.build(seq_len)), preset.vocab_size
+    if model.startswith("hf:"):
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
         except ImportError:
@@ -114,26 +184,167 @@ def _build(model, seq_len: int, hf_overrides: dict):
             config = AutoConfig.for_model(model_type, **hf_overrides)
         except (ValueError, KeyError) as exc:
             raise ValueError(f"model {model!r}: transformers has no model type {model_type!r} ({exc})") from None
-
-        class _Logits(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.inner = AutoModelForCausalLM.from_config(config)
-
-            def forward(self, idx):
-                # transformers skips its data-dependent mask checks only while torch compiles;
-                # this trace is symbolic too, so say so while it runs.
-                from unittest import mock
-
-                with mock.patch("torch.compiler.is_compiling", lambda: True):
-                    return self.inner(input_ids=idx, use_cache=False).logits
-
-        return (lambda: _Logits()), config.vocab_size
-    else:
-        preset = get_preset(model)
+        return (lambda: HFCausalLM(AutoModelForCausalLM.from_config(config))), config.vocab_size
+    preset = get_preset(model)
     if preset.max_seq_len is not None and seq_len > preset.max_seq_len:
         raise ValueError(f"model {model!r} takes sequences up to {preset.max_seq_len}, got --seq-len {seq_len}")
     return (lambda: preset.build(seq_len)), preset.vocab_size
+
+
+class HFCausalLM(torch.nn.Module):
+    """A ``transformers`` causal LM as ``forward(idx [batch, seq]) -> logits [batch, seq, vocab]``."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx):
+        # transformers skips its data-dependent mask checks only while torch compiles; a fake
+        # trace is symbolic too, so say so while it runs.
+        if torch.compiler.is_compiling():
+            return self.inner(input_ids=idx, use_cache=False).logits
+        from unittest import mock
+
+        with mock.patch("torch.compiler.is_compiling", lambda: True):
+            return self.inner(input_ids=idx, use_cache=False).logits
+
+
+def _parse_budgets(budgets: list[str], device: DeviceSpec) -> list[tuple[str, MemoryBudget]]:
+    if not budgets:
+        raise ValueError("--budgets: no budget given; e.g. '100%,50%,24GiB,device'")
+    parsed = []
+    for b in budgets:
+        if b == "device":
+            parsed.append((b, MemoryBudget("bytes", float(device.memory_bytes))))
+            continue
+        try:
+            mb = MemoryBudget.parse(b, key="--budgets")
+        except ValueError:
+            mb = None
+        if mb is None or mb.kind not in ("bytes", "fraction"):
+            raise ValueError(f"--budgets: {b!r} is not a size ('24GiB'), a percentage ('50%') or 'device'")
+        parsed.append((b, mb))
+    return parsed
+
+
+def default_inner(offload: str) -> str:
+    """The inner compiler ``plan`` assumes: the backend's default, Inductor, for
+    ``offload="activations"``; ``"eager"`` for parameter offload (which needs it)."""
+    return "inductor" if offload == "activations" else "eager"
+
+
+def plan_step(
+    traced: TracedStep,
+    device: DeviceSpec,
+    budgets: list[str],
+    *,
+    model: str = "model",
+    optimizer: str = "adamw",
+    min_offload_bytes: int = 1 << 20,
+    offload: str = "activations",
+    inner: str | None = None,
+    trace_seconds: float = 0.0,
+    strategy: str = "auto",
+    cpu_optimizer: str = "exact",
+    overlap: str = "forward",
+    optimizer_on_device: float | str = 0.0,
+) -> PlanResult:
+    """Plan a traced training step for each budget on ``device`` through the backend's spine:
+    :func:`~offload_compiler.pipeline.prepare`, then
+    :func:`~offload_compiler.pipeline.plan_pair` with the options the backend would have
+    (``memory_budget`` = the row's budget, ``inner``, ``offload``, ``min_offload_bytes``) and a
+    :class:`~offload_compiler.pipeline.ModelState` holding the parameters to offload (every
+    ``nn.Parameter``, as the backend's slots) and the optimizer's state bytes. ``traced`` must
+    have been traced with the same ``inner``. Mutates ``traced.pair`` (prepare). ``strategy``,
+    ``optimizer_on_device``: the backend's options of those names. With ``offload="all"`` the
+    optimizer update of ``optimizer`` is modelled as ``CPUOptimizer(implementation=cpu_optimizer,
+    overlap=overlap)`` runs it on ``device``'s host figures
+    (:func:`~.passes.cost_model.host_update_model`).
+
+    Raises:
+        ValueError: for an unknown optimizer, offload mode, strategy or a malformed budget, naming
+            it; for ``inner="inductor"`` or ``strategy="recompute"`` with parameter offload.
+    """
+    from .pipeline import ModelState, analyze_pair, plan_pair, prepare
+
+    if optimizer not in _OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; one of {', '.join(_OPTIMIZER_STATES)}")
+    if offload not in ("activations",) + param_residency.MODES:
+        raise ValueError(f"unknown offload {offload!r}; one of activations, {', '.join(param_residency.MODES)}")
+    inner = inner or default_inner(offload)
+    if cpu_optimizer not in ("exact", "fastest"):
+        raise ValueError(f"cpu_optimizer {cpu_optimizer!r}: expected 'exact' or 'fastest'")
+    if strategy == "recompute" and offload != "activations":
+        raise ValueError(f"--strategy recompute is not combined with --offload {offload} yet")
+    parsed = _parse_budgets(budgets, device)
+    user = {"inner": inner, "offload": offload, "min_offload_bytes": min_offload_bytes, "verify": False}
+    user["strategy"] = strategy
+    if offload == "all":
+        user["optimizer_on_device"] = optimizer_on_device
+    base = TrinityOptions.from_user(user, env={})
+    t0 = time.perf_counter()
+    pair = traced.pair
+    prepare(pair)
+    analysis = analyze_pair(pair, base, device)
+    full_state = _OPTIMIZER_STATES[optimizer] * traced.param_bytes
+    params = {}
+    if offload != "activations":
+        per_param = 2 if offload == "all" else 1  # the master copy, and the host gradient with "all"
+        params = {i: (0, per_param * n) for i, n in zip(traced.param_positions, traced.param_nbytes)}
+    update = None
+    if offload == "all":
+        update = cost_model.host_update_model(
+            device, optimizer, implementation="fused" if cpu_optimizer == "fastest" else "loop", overlap=overlap
+        )
+    state = ModelState(offload=offload, params=params, optimizer_state_bytes=full_state, update=update)
+    rows = []
+    first = None
+    for text, budget in parsed:
+        pp = plan_pair(pair, replace(base, memory_budget=budget), state, spec=device, analysis=analysis)
+        first = first or pp
+        pred = pp.predictions
+        rp = pp.joint.recompute if offload == "activations" else None
+        rows.append(
+            PlanRow(
+                budget=text,
+                budget_bytes=pp.step_budget_bytes,
+                planned_peak_bytes=pred.planned_peak_bytes,
+                lowest_reachable_bytes=pred.lowest_reachable_peak_bytes,
+                feasible=pred.feasible,
+                predicted_step_seconds=pred.step_seconds,
+                exposed_seconds=pred.exposed_transfer_seconds,
+                evicted_bytes=pp.activations.evicted_bytes,
+                num_evicted=len(pp.activations.evictions),
+                fits_device=pred.planned_peak_bytes <= device.memory_bytes,
+                host_bytes=pred.host_bytes,
+                peak_step=pp.activations.peak_step_planned,
+                update_seconds=pred.update_seconds,
+                exposed_update_seconds=pred.exposed_update_seconds,
+                device_share=pp.split.share if pp.split is not None else 0.0,
+                recomputed_bytes=rp.recomputed_bytes if rp else 0,
+                num_recomputed=len(rp.recomputes) if rp else 0,
+                recompute_seconds=rp.recompute_seconds if rp else 0.0,
+                recompute_flops=rp.recompute_flops if rp else 0,
+                chosen=rp.chosen if rp else "offload only",
+            )
+        )
+    return PlanResult(
+        model=model,
+        device=device,
+        num_params=traced.num_params,
+        param_bytes=traced.param_bytes,
+        optimizer_state_bytes=full_state,
+        unplanned_peak_bytes=first.predictions.unplanned_peak_bytes,
+        compute_seconds=first.costs.compute_seconds,
+        rows=tuple(rows),
+        trace_seconds=trace_seconds,
+        plan_seconds=time.perf_counter() - t0,
+        offload=offload,
+        host_model_state_bytes=state.host_bytes,
+        inner=inner,
+        strategy=strategy if offload == "activations" else "offload",
+        update=update.description if update is not None else "",
+    )
 
 
 def plan_model(
@@ -147,29 +358,28 @@ def plan_model(
     min_offload_bytes: int = 1 << 20,
     hf_overrides: dict | None = None,
     offload: str = "activations",
+    inner: str | None = None,
+    *,
+    strategy: str = "auto",
     cpu_optimizer: str = "exact",
     overlap: str = "forward",
     optimizer_on_device: float | str = 0.0,
-    strategy: str = "auto",
-    traced=None,
+    traced: TracedStep | None = None,
 ) -> PlanResult:
-    """Plan ``model``'s training step for each budget on ``device`` (see the module docstring).
+    """Plan ``model``'s training step for each budget on ``device`` (see the module docstring):
+    trace it (:func:`~offload_compiler.trace.trace_training_step`, with ``inner``'s
+    decompositions), then :func:`plan_step`.
 
     ``model`` is a preset's name, ``hf:<model_type>``, or a :class:`~.models.presets.Preset`
     (a model built by the caller, e.g. one pipeline stage or one tensor-parallel shard of a
     preset: ``plan --world`` plans those). Budgets are sizes (``"24GiB"``), percentages of the
-    peak without offloading (``"50%"``) or ``"device"`` (the device's memory). With
-    ``offload="all"`` the optimizer update of ``optimizer`` is simulated as
-    ``CPUOptimizer(implementation=cpu_optimizer, overlap=overlap)`` runs it on ``device``'s host
-    figures, with the ``optimizer_on_device`` share on the device.
-    ``strategy``: ``"auto"``, ``"offload"`` or ``"recompute"`` (see the module docstring); with
-    parameter offload saved activations are kept or offloaded. ``traced``: a
-    :class:`~.trace.TracedStep` of this model to plan instead of tracing it again (its graphs are
-    reordered in place, as the backend does, once).
+    peak without offloading (``"50%"``) or ``"device"`` (the device's memory). ``inner`` defaults
+    to :func:`default_inner`. ``strategy``, ``cpu_optimizer``, ``overlap`` and
+    ``optimizer_on_device``: see :func:`plan_step`. ``traced``: a :class:`~.trace.TracedStep` of
+    this model to plan instead of tracing it again (prepared once, in place).
 
     Raises:
-        ValueError: for an unknown model, optimizer, strategy or a malformed budget, naming it;
-            for ``strategy="recompute"`` with parameter offload.
+        ValueError: for an unknown model, optimizer, strategy or a malformed budget, naming it.
     """
     from .trace import trace_training_step
 
@@ -177,131 +387,28 @@ def plan_model(
         raise ValueError(f"unknown optimizer {optimizer!r}; one of {', '.join(_OPTIMIZER_STATES)}")
     if offload not in ("activations",) + param_residency.MODES:
         raise ValueError(f"unknown offload {offload!r}; one of activations, {', '.join(param_residency.MODES)}")
-    if not budgets:
-        raise ValueError("--budgets: no budget given; e.g. '100%,50%,24GiB,device'")
-    if strategy not in plan_recompute.STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(plan_recompute.STRATEGIES)}")
-    if strategy == "recompute" and offload != "activations":
-        raise ValueError(f"--strategy recompute is not combined with --offload {offload} yet")
-    if cpu_optimizer not in ("exact", "fastest"):
-        raise ValueError(f"cpu_optimizer {cpu_optimizer!r}: expected 'exact' or 'fastest'")
-    parsed = []
-    for b in budgets:
-        if b == "device":
-            parsed.append((b, MemoryBudget("bytes", float(device.memory_bytes))))
-        else:
-            try:
-                mb = MemoryBudget.parse(b, key="--budgets")
-            except ValueError:
-                mb = None
-            if mb is None or mb.kind not in ("bytes", "fraction"):
-                raise ValueError(f"--budgets: {b!r} is not a size ('24GiB'), a percentage ('50%') or 'device'")
-            parsed.append((b, mb))
+    inner = inner or default_inner(offload)
+    TrinityOptions.from_user({"inner": inner, "offload": offload, "strategy": strategy}, env={})  # fail before tracing
+    _parse_budgets(budgets, device)
     t0 = time.perf_counter()
     if traced is None:
-        build, vocab = _build(model, seq_len, hf_overrides or {})
-        traced = trace_training_step(build, batch, seq_len, vocab, dtype)
+        build, vocab = model_builder(model, seq_len, hf_overrides or {})
+        traced = trace_training_step(build, batch, seq_len, vocab, dtype, inner=inner)
     trace_seconds = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    pair = traced.pair
-    if not traced.prepared:
-        fill_tuple_vals(pair.forward)
-        fill_tuple_vals(pair.backward)
-        reorder.hoist_frees(pair.forward)
-        reorder.hoist_frees(pair.backward)
-        traced.prepared = True
-    live = liveness.analyze(pair, assume_fusion=True)
-    costs = cost_model.estimate(pair, live, device)
-    full_state = _OPTIMIZER_STATES[optimizer] * traced.param_bytes
-    state = 0 if offload == "all" else full_state
-    unplanned = live.peak_bytes + full_state
-    host = 0
-    chosen: dict[int, tuple[int, int]] = {}
-    if offload != "activations":
-        chosen = {i: (0, 0) for i in pair.static_input_indices}
-        host = traced.param_bytes * (2 if offload == "all" else 1) + (full_state if offload == "all" else 0)
-
-    update = cost_model.host_update_model(
-        device, optimizer, implementation="fused" if cpu_optimizer == "fastest" else "loop", overlap=overlap
-    )
-
-    def plan_at(graph_budget, share=optimizer_on_device):
-        """The activation plan (on the residency view with parameter offload), its predicted
-        step and exposed copy seconds, with ``"all"`` the step's timeline and split, and the
-        joint planner's choice (``None`` with parameter offload)."""
-        if not chosen:
-            joint = plan_recompute.plan_joint(
-                pair, live, costs, graph_budget, strategy, min_offload_bytes, rng_replay=False, assume_fusion=True
-            )
-            p = joint.plan
-            return p, p.predicted_step_seconds, p.exposed_transfer_seconds, None, joint.recompute
-        if offload == "all":
-            split, res, _view, p = optimizer_split.plan(
-                pair, live, costs, chosen, graph_budget, min_offload_bytes, update, share
-            )
-            tasks = plan_window.copy_tasks(p.evictions, costs)
-            timeline = param_residency.step_timeline(res, costs, tasks, update, split.device_param_bytes)
-            return p, timeline.step_seconds, timeline.exposed_seconds, (timeline, split), None
-        for use_windows in (True, False):
-            res = param_residency.plan(
-                pair, live, costs, chosen, offload, live.live_bytes(), graph_budget, use_windows=use_windows
-            )
-            p = plan_window.plan(param_residency.activation_view(live, res), costs, graph_budget, min_offload_bytes)
-            if p.feasible or not res.max_window_steps:
-                break
-        tasks = plan_window.copy_tasks(p.evictions, costs)
-        timeline = simulate(costs.step_seconds, tasks + param_residency.copy_tasks(res, costs, len(tasks)))
-        return p, timeline.step_seconds, timeline.exposed_seconds, None
-
-    # The lowest peak any plan reaches: every candidate evicted as tightly as possible.
-    lowest = plan_at(0, 0.0)[0].lowest_reachable_peak_bytes + state
-    rows = []
-    for text, budget in parsed:
-        total = int(budget.value * unplanned) if budget.kind == "fraction" else int(budget.value)
-        graph_budget = total - state
-        if total < lowest:
-            rows.append(PlanRow(text, total, lowest, lowest, False, float("nan"), float("nan"), 0, 0, False))
-            continue
-        p, step_s, exposed_s, extra, rp = plan_at(graph_budget)
-        timeline, split = extra if extra is not None else (None, None)
-        peak = p.peak_bytes_planned + state + (split.device_state_bytes if split is not None else 0)
-        rows.append(
-            PlanRow(
-                budget=text,
-                budget_bytes=total,
-                planned_peak_bytes=peak,
-                lowest_reachable_bytes=lowest,
-                feasible=p.feasible,
-                predicted_step_seconds=step_s,
-                exposed_seconds=exposed_s,
-                evicted_bytes=p.evicted_bytes,
-                num_evicted=len(p.evictions),
-                fits_device=peak <= device.memory_bytes,
-                update_seconds=timeline.update_seconds if timeline is not None else 0.0,
-                exposed_update_seconds=timeline.exposed_update_seconds if timeline is not None else 0.0,
-                device_share=split.share if split is not None else 0.0,
-                recomputed_bytes=rp.recomputed_bytes if rp else 0,
-                num_recomputed=len(rp.recomputes) if rp else 0,
-                recompute_seconds=rp.recompute_seconds if rp else 0.0,
-                recompute_flops=rp.recompute_flops if rp else 0,
-                chosen=rp.chosen if rp else "offload only",
-            )
-        )
-    return PlanResult(
+    return plan_step(
+        traced,
+        device,
+        budgets,
         model=getattr(model, "name", model),
-        device=device,
-        num_params=traced.num_params,
-        param_bytes=traced.param_bytes,
-        optimizer_state_bytes=full_state,
-        unplanned_peak_bytes=unplanned,
-        compute_seconds=costs.compute_seconds,
-        rows=tuple(rows),
-        trace_seconds=trace_seconds,
-        plan_seconds=time.perf_counter() - t0,
+        optimizer=optimizer,
+        min_offload_bytes=min_offload_bytes,
         offload=offload,
-        host_model_state_bytes=host,
-        update=update.description if offload == "all" else "",
-        strategy=strategy if not chosen else "offload",
+        inner=inner,
+        trace_seconds=trace_seconds,
+        strategy=strategy,
+        cpu_optimizer=cpu_optimizer,
+        overlap=overlap,
+        optimizer_on_device=optimizer_on_device,
     )
 
 
@@ -362,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default="gpt2-small",
-        help="a preset (demo, gpt2-small/medium/large/xl, llama-1b, llama-7b, llama3-8b, llama-13b) or hf:<model_type>",
+        help="a preset (demo, gpt2-small/medium/large/xl, llama-1b, llama-7b, llama3-8b, llama-13b, llama-30b, "
+        "llama-70b) or hf:<model_type>",
     )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -384,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
         help="activations, activations+params or all (parameters, gradients, optimizer state on the host)",
     )
     parser.add_argument(
+        "--inner",
+        default=None,
+        help="inner compiler assumed: inductor or eager (default: inductor with --offload activations, else eager)",
+    )
+    parser.add_argument(
         "--host-bandwidth",
         default=None,
         help="the host's sustained memory bandwidth in bytes/s (e.g. 60e9; default the device table's host)",
@@ -402,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         help="how saved activations meet a budget: auto (keep, offload or recompute), offload or recompute",
     )
     parser.add_argument("--png", default="plan_frontier.png", help="where to draw the frontier ('' for none)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE")
     parser.add_argument(
         "--hf", action="append", default=[], metavar="KEY=VALUE", help="config override for hf: models (repeatable)"
     )
@@ -419,12 +533,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--dtype {args.dtype!r} is not one of {', '.join(_DTYPES)}")
         spec = lookup_device(args.device)
         if args.device_memory:
-            from dataclasses import replace
-
             spec = replace(spec, memory_bytes=parse_size("--device-memory", args.device_memory))
         if args.host_bandwidth:
-            from dataclasses import replace
-
             try:
                 bandwidth = float(args.host_bandwidth)
             except ValueError:
@@ -441,8 +551,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--cpu-optimizer {args.cpu_optimizer!r} is not exact or fastest")
         if args.overlap not in ("forward", "backward"):
             raise ValueError(f"--overlap {args.overlap!r} is not forward or backward")
-        from .options import TrinityOptions
-
         share = TrinityOptions.from_user(
             {"offload": "all", "inner": "eager", "optimizer_on_device": args.optimizer_on_device}, env={}
         ).optimizer_on_device
@@ -463,10 +571,11 @@ def main(argv: list[str] | None = None) -> int:
             parse_size("--min-offload-bytes", args.min_offload_bytes),
             overrides,
             args.offload,
-            args.cpu_optimizer,
-            args.overlap,
-            share,
+            args.inner,
             strategy=args.strategy,
+            cpu_optimizer=args.cpu_optimizer,
+            overlap=args.overlap,
+            optimizer_on_device=share,
         )
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -547,6 +656,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.png:
         console.print(f"frontier: {frontier_png(result, Path(args.png))}")
+    if args.json:
+        payload = {
+            **result.to_json(),
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "dtype": args.dtype,
+            "optimizer": args.optimizer,
+            "command": "python -m offload_compiler plan " + " ".join(argv),
+            "torch": torch.__version__,
+            "note": "predicted by the cost model and simulator on the device's figures; not measured",
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
+        console.print(f"rows: {args.json}")
     return 0
 
 

@@ -9,9 +9,14 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from .options import format_bytes
 from .runtime.transfer import TransferStats, _registry
+
+if TYPE_CHECKING:
+    from .options import TrinityOptions
+    from .pipeline import PairPlan
 
 __all__ = [
     "TrinityReport",
@@ -113,6 +118,8 @@ class TrinityReport:
         decisions: per saved activation ``(forward node, bytes, "keep" | "offload" | "recompute")``.
         fits_without_plan: the budget is at or above the unplanned peak: nothing was planned or
             rewritten.
+        peak_step_planned: the joint-schedule step (forward nodes, then backward nodes, as
+            planned before the rewrite) where the planned peak is.
     """
 
     graph_id: int
@@ -147,6 +154,98 @@ class TrinityReport:
     recompute: dict | None = None
     decisions: tuple[tuple[str, int, str], ...] = ()
     fits_without_plan: bool = False
+    peak_step_planned: int | None = None
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: PairPlan,
+        *,
+        graph_id: int,
+        device: str,
+        options: TrinityOptions,
+        runtime_id: int,
+        pass_seconds: tuple[tuple[str, float], ...] = (),
+        fallback_reason: str | None = None,
+        size_bounds: tuple[tuple[str, int], ...] = (),
+        dump_dir: str | None = None,
+        **extra,
+    ) -> TrinityReport:
+        """The report of one pair from its final :class:`~offload_compiler.pipeline.PairPlan`
+        (after the rewrite passes and the verifier). ``peak_bytes_planned`` is the verifier's
+        re-measured peak when it ran, else the plan's; the other figures are the plan's.
+        ``extra``: further fields as they are (e.g. the joint planner's ``strategy``,
+        ``recompute``, ``decisions``, ``fits_without_plan``)."""
+        act, pred, live = plan.activations, plan.predictions, plan.activation_liveness
+        extra = plan.model_state.resident_bytes
+        planned = plan.verified_peak_bytes + extra if plan.verified_peak_bytes is not None else pred.planned_peak_bytes
+        residency = plan.residency
+        return cls(
+            graph_id=graph_id,
+            device=device,
+            inner=options.inner,
+            budget_request=options.memory_budget.describe(),
+            budget_bytes=plan.step_budget_bytes,
+            peak_bytes_unplanned=pred.unplanned_peak_bytes,
+            peak_bytes_planned=planned,
+            lowest_reachable_peak_bytes=pred.lowest_reachable_peak_bytes,
+            evicted_bytes=act.evicted_bytes,
+            copy_bytes=act.copy_bytes,
+            num_evicted=len(act.evictions),
+            num_candidates=act.num_candidates,
+            num_saved=len(live.saved),
+            predicted_step_seconds=act.predicted_step_seconds,
+            exposed_transfer_seconds=act.exposed_transfer_seconds,
+            compute_seconds=act.compute_seconds,
+            feasible=act.feasible,
+            fallback_reason=fallback_reason,
+            pass_seconds=pass_seconds,
+            dump_dir=dump_dir,
+            runtime_id=runtime_id,
+            device_name=plan.costs.device.name,
+            size_bounds=size_bounds,
+            peak_step_planned=act.peak_step_planned,
+            streams=tuple(
+                (name, p.used_streams, p.num_events, p.seconds, p.single_stream_seconds)
+                for name, p in plan.stream_plans.items()
+            ),
+            param_offload=(
+                {
+                    "mode": residency.mode,
+                    "num_params": len(residency.params),
+                    "host_bytes": residency.host_bytes,
+                    "peak_bytes": residency.peak_bytes,
+                    "peak_bytes_resident_params": residency.peak_bytes_resident_params,
+                    "max_window_steps": residency.max_window_steps,
+                    "window_seconds": residency.window_seconds,
+                    "predicted_step_seconds": pred.step_seconds,
+                    "exposed_transfer_seconds": pred.exposed_transfer_seconds,
+                    "update_seconds": pred.update_seconds,
+                    "exposed_update_seconds": pred.exposed_update_seconds,
+                    "update": plan.update.description if plan.update is not None else None,
+                    "optimizer_on_device": (
+                        {
+                            "request": plan.split.request,
+                            "num_params": len(plan.split.positions),
+                            "param_bytes": plan.split.device_param_bytes,
+                            "state_bytes": plan.split.device_state_bytes,
+                            "share": plan.split.share,
+                            "candidates": plan.split.candidates,
+                        }
+                        if plan.split is not None
+                        else None
+                    ),
+                }
+                if residency is not None
+                else None
+            ),
+            not_offloaded=tuple(
+                (st.fw_node, st.reason)
+                for st in live.saved
+                if not st.evictable and not st.reason.startswith("aliases a")
+            ),
+            **extra,
+        )
 
     def runtime_stats(self) -> TransferStats | None:
         """Live counters of this pair's transfer runtime (host pool included), or ``None`` once

@@ -1,49 +1,177 @@
 """Trace a model's training step on fake tensors: the graphs the backend would see, no memory used.
 
 The model is built on the ``meta`` device (no storage), its parameters and buffers become fake
-tensors, and AOTAutograd traces ``loss(model(idx))`` forward and backward and partitions it with
-PyTorch's min-cut partitioner, exactly as ``torch.compile(backend="trinity")`` would; nothing runs
-and nothing real is allocated, so a 7B-parameter model traces on a laptop.
+tensors, and AOTAutograd traces the step forward and backward and partitions it through
+:func:`offload_compiler.pipeline.partition`, the partition entry the backend uses, with the same
+arguments: the parameters and buffers are the static-lifetime inputs (Dynamo marks them so for
+the backend). With ``inner="inductor"`` the trace also uses Inductor's decompositions and its
+joint-graph passes, as ``torch.compile(backend="trinity")`` with Inductor does. Nothing runs and
+nothing real is allocated, so a 70B-parameter model traces on a laptop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._functorch.aot_autograd import aot_function
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .graph_pair import GraphPair
 
-__all__ = ["trace_training_step", "TracedStep"]
+__all__ = ["trace_training_step", "trace_step", "TracedStep"]
 
 
 class _Captured(Exception):
     pass
 
 
+@dataclass(frozen=True)
 class TracedStep:
     """A traced training step.
 
     Attributes:
         pair: the partitioned (forward, backward) graphs.
-        param_bytes: bytes of the trainable parameters.
+        param_bytes: bytes of the trainable parameters (each storage once).
         num_params: number of trainable parameter elements.
-        prepared: whether the planning passes' graph preparation (tuple values, ``reorder``) has
-            run on ``pair`` (``plan_model`` does it once; reusing the trace skips it).
+        param_positions: forward input positions of the parameters (``nn.Parameter``s: what
+            parameter offload moves; buffers are static inputs too but stay resident).
+        param_nbytes: storage bytes of each of those parameters (same order).
     """
 
-    def __init__(self, pair: GraphPair, param_bytes: int, num_params: int):
-        self.pair = pair
-        self.param_bytes = param_bytes
-        self.num_params = num_params
-        self.prepared = False
+    pair: GraphPair
+    param_bytes: int
+    num_params: int
+    param_positions: tuple[int, ...] = ()
+    param_nbytes: tuple[int, ...] = ()
+
+
+def _capture_partitioner(box: dict, static: tuple[int, ...], joint_pass=None):
+    """A partition function that partitions with :func:`offload_compiler.pipeline.partition`
+    (``static`` as the static-lifetime inputs, which AOTAutograd without Dynamo does not know),
+    keeps the pair in ``box`` and stops the trace."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    from .pipeline import partition
+
+    class Capture(CustomPartitionerFn):
+        def __call__(self, joint, joint_inputs, **kwargs):
+            kwargs["static_lifetime_input_indices"] = list(static)
+            if joint_pass is not None:
+                joint_pass(joint)
+            box["pair"] = partition(joint, joint_inputs, **kwargs)
+            raise _Captured
+
+        def uuid(self):
+            return f"trinity-trace-capture-{id(box)}"
+
+    return Capture()
+
+
+def trace_step(
+    build: Callable[[], nn.Module],
+    make_inputs: Callable[[], Sequence[torch.Tensor]],
+    dtype: torch.dtype | None = None,
+    loss: Callable[..., torch.Tensor] | None = None,
+    inner: str = "eager",
+    joint_pass: Callable[[torch.fx.GraphModule], None] | None = None,
+) -> TracedStep:
+    """Trace ``loss(build()(*inputs), *inputs)`` (or the module's own scalar output when ``loss``
+    is ``None``) forward and backward on fake tensors.
+
+    Args:
+        build: makes the model (called under ``torch.device("meta")``).
+        make_inputs: makes the step's inputs (called under the fake mode, so ``torch.randn`` and
+            ``torch.randint`` give fake tensors of the right shapes and dtypes).
+        dtype: parameter and buffer dtype (``torch.bfloat16`` for a bf16 model); ``None`` keeps
+            the module's own.
+        loss: maps the module's output and the inputs to a scalar loss.
+        inner: ``"eager"`` (AOTAutograd with no decompositions, as trinity's ``inner="eager"``)
+            or ``"inductor"`` (Inductor's decompositions and joint-graph passes first).
+        joint_pass: called on the joint graph before it is partitioned (e.g. to tag nodes with
+            activation-checkpointing policies, as Dynamo does for ``torch.utils.checkpoint``); with
+            it the trace keeps node metadata (``torch.fx.traceback.preserve_node_meta``), so
+            ``torch.fx.traceback.annotate`` annotations reach ``node.meta["custom"]``.
+
+    Returns:
+        A :class:`TracedStep`. Parameters and buffers are the static-lifetime inputs.
+
+    Raises:
+        ValueError: for an unknown ``inner``.
+        RuntimeError: when the step has no backward graph.
+    """
+    if inner not in ("eager", "inductor"):
+        raise ValueError(f"trace_step: inner must be 'eager' or 'inductor', got {inner!r}")
+    with torch.device("meta"):
+        model = build()
+        if dtype is not None:
+            model = model.to(dtype)
+    named_params = list(model.named_parameters())
+    named_buffers = list(model.named_buffers())
+    fake = FakeTensorMode(shape_env=ShapeEnv())
+    with fake:
+        params = [
+            torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="cpu", requires_grad=p.requires_grad)
+            for _, p in named_params
+        ]
+        buffers = [torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device="cpu") for _, b in named_buffers]
+        inputs = list(make_inputs())
+    pnames = [n for n, _ in named_params]
+    bnames = [n for n, _ in named_buffers]
+    n_p, n_b = len(pnames), len(bnames)
+    box: dict = {}
+    capture = _capture_partitioner(box, tuple(range(n_p + n_b)), joint_pass)
+
+    def step(*args):
+        ps, bs, xs = args[:n_p], args[n_p : n_p + n_b], args[n_p + n_b :]
+        out = functional_call(model, {**dict(zip(pnames, ps)), **dict(zip(bnames, bs))}, tuple(xs))
+        return out if loss is None else loss(out, *xs)
+
+    kwargs = {}
+    if inner == "inductor":
+        import torch._inductor.config as inductor_config
+        from torch._inductor.compile_fx import partition_fn
+        from torch._inductor.decomposition import select_decomp_table
+
+        kwargs = {"partition_fn": partition_fn, "decompositions": select_decomp_table()}
+        patch = inductor_config.patch(custom_partitioner_fn=capture)
+    else:
+        kwargs = {"partition_fn": capture}
+        patch = contextlib.nullcontext()
+    from torch.fx import traceback as fx_traceback
+
+    keep_meta = fx_traceback.preserve_node_meta() if joint_pass is not None else contextlib.nullcontext()
+    try:
+        with patch, keep_meta:
+            # keep_inference_input_mutations: as the backend (and Inductor) call AOTAutograd, a
+            # buffer the step updates (batch norm's running statistics) is written in the graph
+            # (``copy_``) instead of being returned.
+            aot_function(step, fw_compiler=lambda gm, _: gm, keep_inference_input_mutations=True, **kwargs)(
+                *params, *buffers, *inputs
+            )
+    except _Captured:
+        pass
+    if "pair" not in box:
+        raise RuntimeError("trace_step: AOTAutograd produced no backward graph")
+    seen: set = set()
+    trainable = []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            trainable.append(p)
+    return TracedStep(
+        pair=box["pair"],
+        param_bytes=sum(p.untyped_storage().nbytes() for p in trainable),
+        num_params=sum(p.numel() for p in trainable),
+        param_positions=tuple(range(n_p)),
+        param_nbytes=tuple(p.untyped_storage().nbytes() for p in params),
+    )
 
 
 def trace_training_step(
@@ -52,23 +180,20 @@ def trace_training_step(
     seq_len: int,
     vocab_size: int,
     dtype: torch.dtype = torch.float32,
+    inner: str = "eager",
     joint_pass: Callable[[torch.fx.GraphModule], None] | None = None,
 ) -> TracedStep:
-    """Trace ``cross_entropy(build()(idx), idx)`` forward and backward on fake tensors.
+    """Trace ``cross_entropy(build()(idx), idx)`` forward and backward on fake tensors (see
+    :func:`trace_step`).
 
     Args:
-        build: makes the model (called under ``torch.device("meta")``; its ``forward`` takes token
-            ids ``[batch, seq_len]`` and returns logits ``[batch, seq_len, vocab_size]``).
+        build: makes the model; its ``forward`` takes token ids ``[batch, seq_len]`` and returns
+            logits ``[batch, seq_len, vocab_size]``.
         batch, seq_len: the token batch shape.
         vocab_size: ids are drawn from ``[0, vocab_size)``.
         dtype: parameter dtype (``torch.bfloat16`` for a bf16 model); the loss runs in float32.
-        joint_pass: called on the joint graph before it is partitioned (e.g. to tag nodes with
-            activation-checkpointing policies, as Dynamo does for ``torch.utils.checkpoint``); with
-            it the trace keeps node metadata (``torch.fx.traceback.preserve_node_meta``), so
-            ``torch.fx.traceback.annotate`` annotations reach ``node.meta["custom"]``.
-
-    Returns:
-        A :class:`TracedStep`. Parameters are marked static (AOTAutograd's parameters).
+        inner: ``"eager"`` or ``"inductor"`` (see :func:`trace_step`).
+        joint_pass: see :func:`trace_step`.
 
     Raises:
         ValueError: for non-positive sizes.
@@ -76,43 +201,15 @@ def trace_training_step(
     for name, value in (("batch", batch), ("seq_len", seq_len), ("vocab_size", vocab_size)):
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"trace_training_step: {name} must be a positive int, got {value!r}")
-    with torch.device("meta"):
-        model = build().to(dtype)
-    named_params = [(n, p) for n, p in model.named_parameters()]
-    named_buffers = [(n, b) for n, b in model.named_buffers()]
-    fake = FakeTensorMode(shape_env=ShapeEnv())
-    with fake:
-        params = [torch.empty(p.shape, dtype=p.dtype, device="cpu", requires_grad=True) for _, p in named_params]
-        buffers = [torch.empty(b.shape, dtype=b.dtype, device="cpu") for _, b in named_buffers]
-        idx = torch.zeros(batch, seq_len, dtype=torch.int64, device="cpu")
-    pnames = [n for n, _ in named_params]
-    bnames = [n for n, _ in named_buffers]
-    box: dict = {}
 
-    def partition(joint, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **kw):
-        if joint_pass is not None:
-            joint_pass(joint)
-        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
-        box["pair"] = GraphPair(fw, bw, num_fwd_outputs, tuple(range(len(params))))
-        raise _Captured
-
-    def step(*args):
-        ps, bs, ids = args[: len(pnames)], args[len(pnames) : len(pnames) + len(bnames)], args[-1]
-        logits = functional_call(model, {**dict(zip(pnames, ps)), **dict(zip(bnames, bs))}, (ids,))
+    def lm_loss(logits, ids):
         return F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
 
-    import contextlib
-
-    from torch.fx import traceback as fx_traceback
-
-    keep_meta = fx_traceback.preserve_node_meta() if joint_pass is not None else contextlib.nullcontext()
-    try:
-        with keep_meta:
-            aot_function(step, fw_compiler=lambda gm, _: gm, partition_fn=partition)(*params, *buffers, idx)
-    except _Captured:
-        pass
-    if "pair" not in box:
-        raise RuntimeError("trace_training_step: AOTAutograd produced no backward graph")
-    num = sum(p.numel() for p in params)
-    nbytes = sum(p.numel() * p.element_size() for p in params)
-    return TracedStep(box["pair"], nbytes, num)
+    return trace_step(
+        build,
+        lambda: (torch.zeros(batch, seq_len, dtype=torch.int64, device="cpu"),),
+        dtype,
+        lm_loss,
+        inner,
+        joint_pass,
+    )

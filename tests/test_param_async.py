@@ -311,7 +311,7 @@ def test_dumps_show_issue_and_wait_nodes(tmp_path):
     n_params = len(list(model.parameters()))
     n_fetches = 0
     for graph in ("forward", "backward"):
-        text = (graph_dir / f"10_insert_transfers.{graph}.py").read_text()
+        text = (graph_dir / f"30_param_residency.{graph}.py").read_text()  # the parameter rewrite's dump
         lines = text.splitlines()
         fetches = [i for i, line in enumerate(lines) if name[PARAM_FETCH] in line]
         waits = [i for i, line in enumerate(lines) if name[PARAM_FETCH_WAIT] in line]

@@ -5,7 +5,12 @@ Table 2, with the released models' vocabulary (50257) and context (1024). Llama 
 released configurations: Llama 2 7B and 13B (Touvron et al., "Llama 2", 2023, Table 1 and the
 released config.json: width 4096/5120, 32/40 layers and heads, SwiGLU width 11008/13824,
 vocabulary 32000), Llama 3 8B and Llama 3.2 1B (Meta's released config.json files: grouped-query
-attention with 8 key/value heads, vocabulary 128256; 1B ties its embeddings).
+attention with 8 key/value heads, vocabulary 128256; 1B ties its embeddings). Llama 2 70B from
+the same paper (Table 1: grouped-query attention) and its released config.json: width 8192, 80
+layers, 64 query heads sharing 8 key/value heads, SwiGLU width 28672, vocabulary 32000. Llama 2
+has no released 30B, so ``llama-30b`` is the LLaMA 30B shape (Touvron et al., "LLaMA", 2023,
+Table 2, the released "30B"/33B config: width 6656, 60 layers, 52 heads, SwiGLU width 17920)
+with the Llama 2 architecture and vocabulary (32000).
 """
 
 from __future__ import annotations
@@ -104,6 +109,22 @@ PRESETS: dict[str, Preset] = {
         32000,
         None,
         "Llama 2 13B shape",
+    ),
+    "llama-30b": Preset(
+        "llama-30b",
+        "llama",
+        _llama(vocab_size=32000, n_layer=60, n_head=52, n_kv_head=52, n_embd=6656, intermediate_size=17920),
+        32000,
+        None,
+        "LLaMA 30B shape (32.5B parameters; Llama 2 vocabulary)",
+    ),
+    "llama-70b": Preset(
+        "llama-70b",
+        "llama",
+        _llama(vocab_size=32000, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, intermediate_size=28672),
+        32000,
+        None,
+        "Llama 2 70B shape (GQA, 8 KV heads)",
     ),
 }
 

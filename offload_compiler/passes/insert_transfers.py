@@ -297,13 +297,16 @@ def apply(
     host_of: dict[int, fx.Node] = {}  # id(group) -> host node in the forward
     src_of: dict[int, fx.Node] = {}
     fw_graph = pair.forward.graph
+    last_at: dict[fx.Node, fx.Node] = {}  # anchor -> the last node inserted after it
     for step in sorted(fw_after):
         if not (0 <= step < F - 1):
             raise ValueError(f"insert_transfers: forward step {step} is not a node before the output")
         anchor = _past_sibling_getitems(fw_nodes[step])
         items = sorted(fw_after[step], key=lambda it: 0 if it[0] == "issue" else 1)
-        # inserting_after(anchor) puts each new node right after anchor; keep order by chaining.
-        cursor = anchor
+        # inserting_after(anchor) puts each new node right after anchor; keep order by chaining,
+        # across steps too: the getitems of one multi-output node share their anchor, and a wait
+        # after a later getitem must follow an evict issued after an earlier one.
+        cursor = last_at.get(anchor, anchor)
         for kind, ev, g in items:
             if kind == "issue":
                 src = fw_nodes[g.issue_after]
@@ -341,6 +344,7 @@ def apply(
                 w.meta["trinity"] = f"D2H done; buffer {ev.buffer} freed after this"
                 counts["evict_wait"] += 1
                 cursor = w
+        last_at[anchor] = cursor
     for ev in plan.evictions:
         for g in ev.groups:
             for i in g.saved:

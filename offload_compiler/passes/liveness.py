@@ -17,7 +17,10 @@ its inputs are still live). Sizes are storage bytes from ``meta["val"]``; symbol
 as sympy expressions and evaluated with the shape environment's hints.
 
 Reads ``node.meta["val"]``; writes nothing. Host tensors made by ``trinity::evict`` (and backward
-placeholders that only feed ``trinity::prefetch``) are host memory and are not counted.
+placeholders that only feed ``trinity::prefetch``) are host memory and are not counted. A
+parameter whose storage ``trinity::param_fetch`` / ``param_release`` nodes fetch and release
+(parameter offload, rewritten graphs) counts only where it is resident (see
+:attr:`Buffer.resident_steps`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..graph_pair import GraphPair, hint_int, is_rng_state, tensor_vals
 from ..runtime.ops import EVICT, PREFETCH
+from ..runtime.param_ops import PARAM_FETCH, PARAM_RELEASE
 from ..runtime.transfer import span_bytes
 from .margins import WorkspaceMargins
 
@@ -96,6 +100,13 @@ class Buffer:
             there: the graphs are functional), from which a copy can start.
         fused: a temporary the inner compiler is expected to fuse away (never allocated); not
             counted in live bytes. Only with ``assume_fusion``.
+        resident_steps: ``(first, last)`` inclusive intervals where the storage is on the device,
+            for a parameter that ``trinity::param_fetch`` / ``param_release`` nodes fetch and
+            release (empty otherwise: the storage counts from ``def_step`` to ``last_step``). A
+            parameter is resident when the step starts if its forward release writes back
+            (``offload="activations+params"``), else from its first fetch; each fetch starts an
+            interval, the next release ends it (at the release node), the schedule's end ends
+            the last one.
     """
 
     id: int
@@ -113,6 +124,11 @@ class Buffer:
     first_bw_use: int | None
     source_step: int | None = None
     fused: bool = False
+    resident_steps: tuple[tuple[int, int], ...] = ()
+
+    def intervals(self) -> tuple[tuple[int, int], ...]:
+        """The inclusive step intervals where the storage holds device memory."""
+        return self.resident_steps or ((self.def_step, self.last_step),)
 
     @property
     def idle_gap_steps(self) -> int:
@@ -174,6 +190,10 @@ class Liveness:
     device: str
     workspace_bytes: tuple[int, ...] = ()
     step_of: dict = field(repr=False, compare=False, hash=False, default_factory=dict)
+    save_only_steps: frozenset[int] = frozenset()
+    """Steps of forward nodes that exist only to be saved: views (a partitioner's late ``detach``
+    or ``t(t(weight))``) whose readers are the forward's output or other such views. Their reads
+    are not forward uses (``Buffer.last_fw_use`` leaves them out)."""
 
     @property
     def num_steps(self) -> int:
@@ -188,8 +208,9 @@ class Liveness:
         diff = np.zeros(self.num_steps + 1, dtype=np.int64)
         for b in self.buffers:
             if b.on_device and b.size_bytes and not b.fused:
-                diff[b.def_step] += b.size_bytes
-                diff[b.last_step + 1] -= b.size_bytes
+                for first, last in b.intervals():
+                    diff[first] += b.size_bytes
+                    diff[last + 1] -= b.size_bytes
         live = np.cumsum(diff[:-1])
         if self.workspace_bytes:
             live += np.asarray(self.workspace_bytes, dtype=np.int64)
@@ -207,7 +228,12 @@ class Liveness:
         """Device bytes live at ``step`` by buffer kind, leaving out buffer ids in ``removed``."""
         out: dict[str, int] = {}
         for b in self.buffers:
-            if b.on_device and not b.fused and b.id not in removed and b.def_step <= step <= b.last_step:
+            if (
+                b.on_device
+                and not b.fused
+                and b.id not in removed
+                and any(first <= step <= last for first, last in b.intervals())
+            ):
                 out[b.kind.value] = out.get(b.kind.value, 0) + b.size_bytes
         if self.workspace_bytes and self.workspace_bytes[step]:
             out["workspace"] = self.workspace_bytes[step]
@@ -612,6 +638,31 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
                 for k in node_keys.get(m, ()):
                     collective_of_root.setdefault(uf.find(k), n)
 
+    # Parameter offload (rewritten graphs): where each fetched parameter's storage is resident.
+    param_events: dict = {}  # root -> [(step, is_fetch, write_back)]
+    for n in fw_nodes + bw_nodes:
+        if n.op == "call_function" and n.target in (PARAM_FETCH, PARAM_RELEASE) and n.args:
+            keys = node_keys.get(n.args[0]) if isinstance(n.args[0], fx.Node) else None
+            if keys:
+                write_back = n.target is PARAM_RELEASE and bool(n.args[2])
+                param_events.setdefault(uf.find(keys[0]), []).append(
+                    (node_step[n], n.target is PARAM_FETCH, write_back)
+                )
+    resident_of_root: dict = {}
+    for r, events in param_events.items():
+        start = 0 if any(wb for _, _, wb in events) else None
+        intervals = []
+        for s, is_fetch, _ in sorted(events):
+            if is_fetch and start is None:
+                start = s
+            elif not is_fetch and start is not None:
+                intervals.append((start, s))
+                start = None
+        if start is not None:
+            intervals.append((start, last))
+        # A parameter never fetched is never resident: an empty interval (not "the whole step").
+        resident_of_root[r] = tuple(intervals) if intervals else ((0, -1),)
+
     root_id = {r: i for i, r in enumerate(roots)}
     saved_of_root: dict = {}
     saved: list[SavedTensor] = []
@@ -707,6 +758,7 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
                 first_bw_use=min(info["bw_uses"]) if info["bw_uses"] else None,
                 source_step=node_step[info["source"]] if info["source"] is not None else None,
                 fused=fused,
+                resident_steps=resident_of_root.get(r, ()) if kind is BufferKind.PARAMETER else (),
             )
         )
     return Liveness(
@@ -720,4 +772,5 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
             for n in fw_nodes + bw_nodes
         ),
         step_of=step_of,
+        save_only_steps=frozenset(node_step[n] for n in save_only),
     )

@@ -69,15 +69,10 @@ class OptimizerSplit:
 
 def _plan_rest(pair, live, costs, chosen, budget, min_offload_bytes):
     """Residency and activation plans of the offloaded parameters ``chosen`` under ``budget``
-    (windows first, none if they make the budget unreachable), as ``pipeline.plan_pair`` does."""
-    for use_windows in (True, False):
-        residency = param_residency.plan(
-            pair, live, costs, chosen, "all", live.live_bytes(), budget, use_windows=use_windows
-        )
-        view = param_residency.activation_view(live, residency)
-        act = plan_window.plan(view, costs, budget, min_offload_bytes)
-        if act.feasible or not residency.max_window_steps:
-            break
+    (:func:`~.param_residency.plan_with_activations`, the planning spine's loop)."""
+    residency, view, act, _ = param_residency.plan_with_activations(
+        pair, live, costs, chosen, "all", budget, min_offload_bytes
+    )
     return residency, view, act
 
 

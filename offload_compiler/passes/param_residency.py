@@ -6,8 +6,12 @@ schedule (steps as in :mod:`.liveness`):
 
 * forward: ``param_fetch`` (issues the asynchronous host-to-device copy) ahead of its first
   reader (the **working window**, below), ``param_fetch_wait`` right before that reader, and
-  ``param_release`` right after its last forward reader (the forward's output node, which only
-  hands saved views to the backward, is not a reader);
+  ``param_release`` right after its last *real* forward reader. The forward's output node, which
+  only hands saved views to the backward, is not a reader, and neither are the views that exist
+  only to be saved (:attr:`.liveness.Liveness.save_only_steps`: a partitioner may save
+  ``t(t(weight))`` computed after the loss): :func:`apply` moves those views before the release,
+  so no view op ever runs on a released parameter. A parameter whose only forward readers are
+  such views is fetched for them;
 * backward: ``param_fetch`` ahead of its first backward reader (the saved views of it, e.g. the
   ``t(weight)`` a linear layer's input gradient needs), ``param_fetch_wait`` right before it and,
   with ``"all"``, ``param_release`` after its last one. With ``"activations+params"`` it stays
@@ -91,6 +95,8 @@ class ParamResidency:
         fw_wait_before / bw_wait_before: the ``param_fetch_wait`` positions (the first reader).
         grad_wait_after: the step after which the ``grad_to_host_wait`` comes; the gradient's
             device memory is live up to it.
+        fw_save_views: steps of the forward's save-only views of it that come after
+            ``fw_release_after``; :func:`apply` moves them right before the release.
     """
 
     slot: int
@@ -109,6 +115,7 @@ class ParamResidency:
     fw_wait_before: int | None = None
     bw_wait_before: int | None = None
     grad_wait_after: int | None = None
+    fw_save_views: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -247,6 +254,27 @@ def plan(
     }
     bw_out = pair.bw_output_node().args[0]
     bw_out = list(bw_out) if isinstance(bw_out, (tuple, list)) else [bw_out]
+    first_real = next((s for s in range(num_fw) if not live.steps[s].is_placeholder), 0)
+    bw_first_real = next((s for s in range(num_fw, last + 1) if not live.steps[s].is_placeholder), last)
+    fw_node_of = {n.name: n for n in pair.forward.graph.nodes}
+    save_only = live.save_only_steps
+
+    def save_views(buf: Buffer) -> tuple[list[int], int]:
+        """The buffer's save-only forward views (steps) and the latest step of an input of
+        theirs that is not one of them (they can move to just after it, not earlier)."""
+        steps = sorted(
+            live.step_named("forward", name[len("forward:") :])
+            for name in buf.nodes
+            if name.startswith("forward:") and live.step_named("forward", name[len("forward:") :]) in save_only
+        )
+        own = set(steps)
+        floor = -1
+        for s in steps:
+            for m in fw_node_of[live.steps[s].node].all_input_nodes:
+                ms = live.step_named("forward", m.name)
+                if ms not in own:
+                    floor = max(floor, ms)
+        return steps, floor
 
     def build(use_windows: bool) -> list[ParamResidency]:
         out = []
@@ -258,10 +286,11 @@ def plan(
             buf = live.buffers[bid]
             if buf.kind is not BufferKind.PARAMETER:
                 continue
-            fw_uses = [s for s in buf.use_steps if s < fw_out_step]
+            views, views_floor = save_views(buf)
+            fw_uses = [s for s in buf.use_steps if s < fw_out_step and s not in save_only]
+            if not fw_uses:
+                fw_uses, views = views, []  # only saved: fetched for its views
             bw_uses = [s for s in buf.use_steps if num_fw <= s < last]
-            first_real = next((s for s in range(num_fw) if not live.steps[s].is_placeholder), 0)
-            bw_first_real = next((s for s in range(num_fw, last + 1) if not live.steps[s].is_placeholder), last)
             intervals = []
             fw_fetch = fw_release = bw_fetch = bw_release = fw_wait = bw_wait = None
             fw_w = bw_w = 0
@@ -271,6 +300,8 @@ def plan(
                 continue
             if fw_uses:
                 first, lastu = min(fw_uses), max(fw_uses)
+                if views:
+                    lastu = max(lastu, views_floor)
                 fw_w = _lead(first, first_real, buf.size_bytes, costs) if use_windows else 0
                 fw_fetch, fw_release, fw_wait = max(first - fw_w, first_real), lastu, first
                 start = 0 if mode == "activations+params" else fw_fetch
@@ -316,6 +347,7 @@ def plan(
                     fw_wait_before=fw_wait,
                     bw_wait_before=bw_wait,
                     grad_wait_after=grad_wait,
+                    fw_save_views=tuple(v for v in views if fw_release is not None and v > fw_release),
                 )
             )
         return out
@@ -427,9 +459,15 @@ def apply(
                 f"H2D of parameter {p.placeholder} done",
             )
             if release:
+                # The views that exist only to be saved go right before the release (they read
+                # no data; run after it they would view a released storage).
+                anchor = step_nodes[p.fw_release_after]
+                for s in p.fw_save_views:
+                    anchor.append(step_nodes[s])
+                    anchor = step_nodes[s]
                 insert(
                     fg,
-                    step_nodes[p.fw_release_after],
+                    anchor,
                     False,
                     PARAM_RELEASE,
                     (ph, p.slot, write_back, rt),
@@ -666,12 +704,47 @@ def step_timeline(
     return simulate(costs.step_seconds, list(activation_tasks) + copies, updates)
 
 
+def plan_with_activations(
+    pair: GraphPair,
+    live: Liveness,
+    costs: Costs,
+    slots: Mapping[int, tuple[int, int]],
+    mode: str,
+    budget: int | None,
+    min_offload_bytes: int,
+    host_grad: bool | None = None,
+):
+    """The residency of the parameters in ``slots`` and the activation plan on device memory with
+    that residency, under ``budget``: working windows first; if they make the budget unreachable,
+    both again without windows. The one loop the planning spine
+    (:func:`offload_compiler.pipeline.plan_pair`) and :mod:`.optimizer_split` plan with.
+
+    Returns:
+        ``(residency plan, activation view of live, activation plan, seconds in this planner)``.
+    """
+    import time
+
+    from . import plan_window
+
+    plan_s = 0.0
+    for use_windows in (True, False):
+        t0 = time.perf_counter()
+        residency = plan(pair, live, costs, slots, mode, live.live_bytes(), budget, host_grad, use_windows)
+        view = activation_view(live, residency)
+        plan_s += time.perf_counter() - t0
+        act = plan_window.plan(view, costs, budget, min_offload_bytes)
+        if act.feasible or not residency.max_window_steps:
+            break
+    return residency, view, act, plan_s
+
+
 def check(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:
     """Invariants of a rewritten pair. Returns the violations (empty when none):
 
     * no node reads an offloaded parameter's storage (any view of it) while it is released, nor
       between its ``param_fetch`` and that fetch's ``param_fetch_wait`` (the copy may still be
-      writing it);
+      writing it); a view op counts as a reader (a view of a released storage must never be
+      made), only size and stride queries (``sym_size``, ...) are allowed;
     * every ``param_fetch`` has exactly one ``param_fetch_wait`` of the same slot and storage
       after it, before any release or other fetch of that slot; every wait follows a fetch;
       every release follows a fetch's wait;
@@ -768,12 +841,17 @@ def check(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:
             for m in n.all_input_nodes:
                 st = storage_of(m)
                 slot = storage_slot.get(st) if st is not None else None
-                if slot is None or state.get(slot) == RESIDENT or _metadata_only(n):
+                if slot is None or state.get(slot) == RESIDENT or _size_query(n):
                     continue
                 if state.get(slot) == FETCHING:
                     errors.append(
                         f"{graph_name}: {n.name} reads parameter {name_of(slot)} (via {m.name}) before the wait of "
                         f"its fetch {fetch_of[slot].name}"
+                    )
+                elif _metadata_only(n):
+                    errors.append(
+                        f"{graph_name}: view {n.name} of parameter {name_of(slot)} (via {m.name}) is made while it is "
+                        "released"
                     )
                 else:
                     errors.append(
@@ -787,8 +865,23 @@ def check(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:
     return errors
 
 
+_SIZE_QUERIES = frozenset(
+    {
+        torch.ops.aten.sym_size.int,
+        torch.ops.aten.sym_stride.int,
+        torch.ops.aten.sym_numel.default,
+        torch.ops.aten.sym_storage_offset.default,
+    }
+)
+
+
+def _size_query(node: fx.Node) -> bool:
+    """A size, stride, numel or offset query: reads the tensor's metadata only and makes no view."""
+    return node.op == "call_function" and node.target in _SIZE_QUERIES
+
+
 def _metadata_only(node: fx.Node) -> bool:
-    """A view op (reads no data): allowed on a released storage."""
+    """A view op (reads no data, but makes a view of the storage)."""
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.returns:
         return False

@@ -70,13 +70,15 @@ def _hoist_getitems(graph: fx.Graph) -> int:
     """Move each ``operator.getitem`` of a tuple-valued node to right after that node (keeping
     their order); returns how many moved."""
     moved = 0
-    for n in list(graph.nodes):
+    nodes = list(graph.nodes)
+    # Moving a node does not change the relative order of the others: one numbering serves.
+    order = {u: i for i, u in enumerate(nodes)}
+    for n in nodes:
         if n.op != "call_function" or isinstance(n.meta.get("val"), torch.Tensor):
             continue
         getitems = [u for u in n.users if u.op == "call_function" and u.target is operator.getitem]
         if not getitems or len(getitems) != len(n.users):
             continue
-        order = {u: i for i, u in enumerate(graph.nodes) if u in n.users}
         anchor = n
         for g in sorted(getitems, key=order.__getitem__):
             if anchor.next is not g:
@@ -97,6 +99,8 @@ def hoist_frees(gm: fx.GraphModule) -> int:
     nodes = list(graph.nodes)
     pos: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(nodes)}
     view = {n: _is_view(n) for n in nodes}
+    placeholders = [m for m in nodes if m.op == "placeholder"]
+    last_placeholder = max(placeholders, key=lambda m: pos[m]) if placeholders else None
     moved = 0
     for n in nodes:
         if not _movable(n) or view[n] or not n.all_input_nodes:
@@ -104,7 +108,7 @@ def hoist_frees(gm: fx.GraphModule) -> int:
         latest = max(n.all_input_nodes, key=lambda m: pos[m])
         if latest.op == "placeholder":
             # Placeholders come first; "right after" the last one is the first compute slot.
-            latest = max((m for m in nodes if m.op == "placeholder"), key=lambda m: pos[m])
+            latest = last_placeholder
         if pos[latest] >= pos[n] - 1:
             continue
         freed = 0
@@ -117,7 +121,13 @@ def hoist_frees(gm: fx.GraphModule) -> int:
             freed += _bytes(m)
         if freed > _bytes(n):
             latest.append(n)
-            pos = {m: float(i) for i, m in enumerate(graph.nodes)}
+            # n now sits between latest and latest's old successor: a position between theirs
+            # (renumbering the whole graph per move made this quadratic on a 70B model's graph).
+            gap = pos[n.next] - pos[latest]
+            if gap > 1e-6:
+                pos[n] = pos[latest] + gap / 2
+            else:
+                pos = {m: float(i) for i, m in enumerate(graph.nodes)}
             moved += 1
     if moved or regrouped:
         graph.lint()
