@@ -187,6 +187,8 @@ class CompileSession:
         # offload="activations+params"/"all": forward input position -> ParamSlot (set by the backend)
         self.param_slots: dict = {}
         self.residency_plans: list = []
+        # offload="all" under DDP: the gradients' all-reduce (runtime.grad_sync.GradSync; set by the backend)
+        self.grad_sync = None
 
     def _assign_streams(
         self, pair: GraphPair, costs: cost_model.Costs, planned_peak: int
@@ -302,6 +304,7 @@ class CompileSession:
                 planned_peak = verified
             seconds["verify"] = time.perf_counter() - t0
         residency = None
+        synced = None
         if model_state:
             from .passes import param_residency
 
@@ -317,6 +320,10 @@ class CompileSession:
                         "trinity verification of parameter residency failed:\n  - " + "\n  - ".join(errors)
                     )
             self.residency_plans.append(residency)
+            if self.grad_sync is not None:
+                from .passes import grad_sync
+
+                synced = grad_sync.apply(pair, self.grad_sync)
             # The step with the parameter copies too, issued and waited for where the graphs do.
             act_tasks = plan_window.copy_tasks(the_plan.evictions, costs)
             param_timeline = simulate.simulate(
@@ -376,6 +383,18 @@ class CompileSession:
                     "window_seconds": residency.window_seconds,
                     "predicted_step_seconds": param_timeline.step_seconds,
                     "exposed_transfer_seconds": param_timeline.exposed_seconds,
+                    **(
+                        {
+                            "grad_sync": {
+                                "id": self.grad_sync.id,
+                                "world_size": self.grad_sync.world_size,
+                                "num_reduced": synced.num_reduced,
+                                "num_inplace": synced.num_inplace,
+                            }
+                        }
+                        if synced is not None
+                        else {}
+                    ),
                 }
                 if residency is not None
                 else None

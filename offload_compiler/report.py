@@ -52,7 +52,10 @@ class TrinityReport:
             ``window_seconds``), and the simulated step with the parameter copies as well as the
             activation copies, each issued and waited for where the graphs do
             (``predicted_step_seconds``, ``exposed_transfer_seconds``; the top-level figures
-            count the activation copies only); else ``None``.
+            count the activation copies only); under DDP with ``"all"`` also ``grad_sync``: the
+            :class:`~offload_compiler.runtime.grad_sync.GradSync` id, ``world_size``, and how many
+            gradients are all-reduced (``num_reduced``), of them in place (``num_inplace``); else
+            ``None``.
         not_offloaded: saved activations kept on the device because trinity cannot move them
             (``(forward node, reason)``: a tensor subclass, a collective's buffer, ...).
         streams: with ``num_streams`` > 1 and ``inner="eager"``: per graph, ``(graph, streams
@@ -130,6 +133,12 @@ class TrinityReport:
                 lines.append(
                     f"             with parameter copies: {po['predicted_step_seconds'] * 1e3:.3f} ms per step, "
                     f"{po['exposed_transfer_seconds'] * 1e3:.3f} ms of it exposed copies"
+                )
+            if "grad_sync" in po:
+                gs = po["grad_sync"]
+                lines.append(
+                    f"  ddp        gradients of {gs['num_reduced']} parameters averaged over {gs['world_size']} ranks "
+                    f"(all-reduce on the device before the copy to host, {gs['num_inplace']} in place)"
                 )
         if self.streams:
             parts = [
