@@ -82,6 +82,18 @@ def _stream_safe(compiler: Callable, runtime: TransferRuntime) -> Callable:
     return compile_graph
 
 
+def _ddp_grad_sync(ddp: torch.nn.Module, slots: dict):
+    """The gradient averaging of a pair compiled in ``ddp``'s forward with ``offload="all"``:
+    the slots of the parameters DDP itself would reduce (requiring a gradient, not in
+    ``ddp.parameters_to_ignore``)."""
+    from .runtime.grad_sync import GradSync
+
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    reduced = {id(p) for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored}
+    ids = frozenset(s.id for s in slots.values() if s.grad is not None and id(s.param_ref()) in reduced)
+    return GradSync(ddp, ids)
+
+
 def trinity(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -154,6 +166,10 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None):
         )
     opts = TrinityOptions.from_user(options)
     device = _device_of(example_inputs)
+    from .distributed import check_combination, detect_engine
+
+    engine = detect_engine(gm, example_inputs)
+    check_combination(engine, opts)  # refuses what would train wrong under DDP / FSDP2
     faults = None
     if opts.fault_injection is not None:
         if device.type != "cpu":
@@ -177,6 +193,8 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None):
         session.param_slots = make_slots(
             example_inputs, opts, opts.host_pool_limit_bytes or default_host_pool_limit(), gm
         )
+        if engine.kind == "ddp" and opts.offload == "all" and engine.module is not None:
+            session.grad_sync = _ddp_grad_sync(engine.module, session.param_slots)
 
     if opts.inner == "inductor":
         from torch._inductor import list_mode_options

@@ -29,7 +29,7 @@ from .runtime import param_ops as _param_ops  # noqa: F401  (registers trinity::
 from .runtime.model_state import ON_DEVICE_ATTR, ParamSlot, ensure_slot, install_module_hooks, slot_of
 from .runtime.pool import HostPool
 
-__all__ = ["HostMemoryError", "make_slots", "owning_roots", "rewrite_inference"]
+__all__ = ["HostMemoryError", "make_slots", "owning_roots", "real_parameters", "rewrite_inference"]
 
 
 class HostMemoryError(ValueError):
@@ -85,6 +85,43 @@ def owning_roots(gm: fx.GraphModule, positions: Sequence[int]) -> list[torch.nn.
     return list(roots.values())
 
 
+def real_parameters(example_inputs: Sequence[Any], gm: fx.GraphModule | None = None) -> dict[int, torch.nn.Parameter]:
+    """The real ``nn.Parameter`` behind each parameter input of the graph (input position ->
+    parameter).
+
+    Dynamo hands the backend the real parameters, but DDP's graph splitter
+    (``torch/_dynamo/backends/distributed.py``) converts every example input of a split to a
+    FakeTensor. For a fake input the placeholder's Dynamo record (``node.meta["grapharg"]``) still
+    holds the real value it was traced from (``GraphArg.example``, a weak reference); it is used
+    when it is a real ``nn.Parameter`` of the same shape and dtype.
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    placeholders = list(gm.graph.find_nodes(op="placeholder")) if gm is not None else []
+    found: dict[int, torch.nn.Parameter] = {}
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            continue
+        if isinstance(x, torch.nn.Parameter) and not is_fake(x):
+            found[i] = x
+            continue
+        if not is_fake(x) or len(placeholders) != len(example_inputs):
+            continue
+        grapharg = placeholders[i].meta.get("grapharg")
+        try:
+            real = grapharg.example if grapharg is not None else None
+        except Exception:  # noqa: BLE001  (an example that cannot be read back)
+            real = None
+        if (
+            isinstance(real, torch.nn.Parameter)
+            and not is_fake(real)
+            and tuple(real.shape) == tuple(x.shape)
+            and real.dtype == x.dtype
+        ):
+            found[i] = real
+    return found
+
+
 def _hook_owners(gm: fx.GraphModule | None, slots: dict[int, ParamSlot]) -> None:
     """Name the slots and install the module hooks on the modules owning offloaded parameters."""
     if gm is None or not slots:
@@ -110,6 +147,9 @@ def make_slots(
     :func:`~.runtime.model_state.install_module_hooks` (see :func:`owning_roots`) and the slots
     their parameter names.
 
+    Fake example inputs (DDP's graph splits) are mapped back to the real parameters with
+    :func:`real_parameters`.
+
     Raises:
         HostMemoryError: when the master copies (and host gradients with ``"all"``) of the
             parameters not yet offloaded need more than ``host_limit`` bytes.
@@ -118,11 +158,7 @@ def make_slots(
     mode = options.offload
     keep_resident = mode == "activations+params"
     # A parameter the plan keeps on the device (optimizer_on_device) stays a plain parameter.
-    params = {
-        i: x
-        for i, x in enumerate(example_inputs)
-        if isinstance(x, torch.nn.Parameter) and not getattr(x, ON_DEVICE_ATTR, False)
-    }
+    params = {i: p for i, p in real_parameters(example_inputs, gm).items() if not getattr(p, ON_DEVICE_ATTR, False)}
     need = 0
     seen = set()
     for p in params.values():

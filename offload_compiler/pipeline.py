@@ -47,6 +47,7 @@ from .options import TrinityOptions
 from .passes import (
     assign_streams,
     cost_model,
+    grad_sync,
     insert_recompute,
     insert_transfers,
     liveness,
@@ -218,6 +219,7 @@ class PairPlan:
             (:class:`~.passes.optimizer_split.OptimizerSplit`), else ``None``.
         update: the optimizer update model the predictions used (``None`` without ``"all"``).
         margins: the measured workspace margins planned with (``None``: none yet).
+        grad_sync: under DDP with ``offload="all"``, what the ``grad_sync`` pass reduces (set by it).
     """
 
     model_state: ModelState
@@ -236,6 +238,7 @@ class PairPlan:
     split: Any = None
     update: Any = None
     margins: WorkspaceMargins | None = None
+    grad_sync: dict | None = None
 
 
 def resolve_budget(options: TrinityOptions, live: liveness.Liveness, model_state: ModelState) -> int | None:
@@ -533,11 +536,23 @@ def _apply_param_residency(ctx: RewriteContext, plan: PairPlan) -> PairPlan | No
     return plan
 
 
+def _grad_sync(ctx: RewriteContext, plan: PairPlan) -> PairPlan | None:
+    """Under DDP with ``offload="all"``: each gradient all-reduced on the device before its copy
+    to the host (:mod:`.passes.grad_sync`)."""
+    sync = ctx.session.grad_sync
+    if sync is None or plan.residency is None:
+        return None
+    synced = grad_sync.apply(ctx.pair, sync)
+    info = {"id": sync.id, "world_size": sync.world_size, "num_reduced": synced.num_reduced}
+    return replace(plan, grad_sync={**info, "num_inplace": synced.num_inplace})
+
+
 REWRITE_PASSES: tuple[RewritePass, ...] = (
     RewritePass("insert_recompute", "07_insert_recompute", _insert_recompute),
     RewritePass("insert_transfers", "10_insert_transfers", _insert_transfers),
     RewritePass("assign_streams", "20_assign_streams", _assign_streams),
     RewritePass("param_residency_apply", "30_param_residency", _apply_param_residency),
+    RewritePass("grad_sync", "35_grad_sync", _grad_sync),
 )
 """The rewrite passes, in the order they run (after planning, before the verifier)."""
 
@@ -655,6 +670,8 @@ class CompileSession:
         # the measured workspace, an input of plan_pair; and what it reads back after the rewrite.
         self.margins: WorkspaceMargins | None = None
         self.planned_steps = None
+        # offload="all" under DDP: the gradients' all-reduce (runtime.grad_sync.GradSync; set by the backend)
+        self.grad_sync = None
 
     def model_state(self, pair: GraphPair) -> ModelState:
         """The :class:`ModelState` of ``pair``: its parameter inputs that have slots

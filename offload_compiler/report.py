@@ -93,7 +93,10 @@ class TrinityReport:
             update (steady state of a training loop: ``update_seconds`` per step,
             ``exposed_update_seconds`` of it waited for, ``update`` what was assumed) and
             ``optimizer_on_device`` the share the plan keeps on the device (parameters, bytes,
-            state bytes, the shares tried); else ``None``.
+            state bytes, the shares tried); under DDP with ``"all"`` also ``grad_sync``: the
+            :class:`~offload_compiler.runtime.grad_sync.GradSync` id, ``world_size``, and how many
+            gradients are all-reduced (``num_reduced``), of them in place (``num_inplace``); else
+            ``None``.
         not_offloaded: saved activations kept on the device because trinity cannot move them
             (``(forward node, reason)``: a tensor subclass, a collective's buffer, ...).
         streams: with ``num_streams`` > 1 and ``inner="eager"``: per graph, ``(graph, streams
@@ -235,6 +238,7 @@ class TrinityReport:
                         if plan.split is not None
                         else None
                     ),
+                    **({"grad_sync": plan.grad_sync} if plan.grad_sync is not None else {}),
                 }
                 if residency is not None
                 else None
@@ -321,6 +325,12 @@ class TrinityReport:
                     f"{format_bytes(split['param_bytes'])}) with their optimizer state "
                     f"({format_bytes(split['state_bytes'])}), updated on the device "
                     f"(optimizer_on_device={split['request']!r})"
+                )
+            if "grad_sync" in po:
+                gs = po["grad_sync"]
+                lines.append(
+                    f"  ddp        gradients of {gs['num_reduced']} parameters averaged over {gs['world_size']} ranks "
+                    f"(all-reduce on the device before the copy to host, {gs['num_inplace']} in place)"
                 )
         if self.streams:
             parts = [

@@ -1,0 +1,206 @@
+"""Trinity under PyTorch's data-parallel engines: which engine runs a graph, and what is refused.
+
+Trinity composes with DDP (``torch.nn.parallel.DistributedDataParallel``) and FSDP2
+(``torch.distributed.fsdp.fully_shard``) instead of replacing them. At compile time the backend
+asks :func:`detect_engine` which engine the graph belongs to, and :func:`check_combination`
+refuses, with :class:`UnsupportedCombinationError` naming the combination, every pairing of an
+engine setting and an ``offload`` mode that would train wrong:
+
+* **DDP** is found through ``DistributedDataParallel._get_active_ddp_module()``: DDP sets it for
+  the duration of its forward (``_inside_ddp_forward``), which is when Dynamo compiles the wrapped
+  module's frames, with or without DDP's graph splitting (``optimize_ddp``).
+* **FSDP2** is found from the graph's inputs: a module on the source path of an input
+  (``node.meta["grapharg"].source``, resolved in the frame being compiled) that is an
+  ``FSDPModule``, or a ``DTensor`` input (a sharded parameter).
+
+With ``offload="all"`` a parameter's gradient goes to host memory inside the backward and the
+backward returns ``None`` for it, so DDP's reducer hooks (on the parameters' gradient
+accumulation) never fire. Trinity then averages the gradients itself, exactly as DDP would
+(:mod:`.passes.grad_sync`); what DDP would do differently from that (a communication hook, mixed
+precision, unused-parameter detection, the static-graph mode, the Python reducer) is refused.
+FSDP2 owns the parameters' storages (it frees and refills the unsharded parameters around each
+block) and their host offload (``CPUOffloadPolicy``), so parameter offload under FSDP2 is
+refused; activation offload (``offload="activations"``) composes with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = ["Engine", "UnsupportedCombinationError", "active_ddp", "detect_engine", "check_combination"]
+
+
+class UnsupportedCombinationError(ValueError):
+    """A data-parallel engine setting and a trinity option that do not compose; the message names
+    both and what to use instead."""
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The data-parallel engine a graph runs under.
+
+    Attributes:
+        kind: ``"ddp"``, ``"fsdp2"`` or ``"none"``.
+        module_ref: a weak reference to the DDP module, or to the first ``FSDPModule`` found
+            (``None`` for ``"none"``).
+        world_size: ranks of the engine's process group (1 for ``"none"``).
+    """
+
+    kind: str
+    module_ref: Any = None
+    world_size: int = 1
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        return self.module_ref() if self.module_ref is not None else None
+
+
+def active_ddp() -> torch.nn.Module | None:
+    """The DDP module whose forward is running (Dynamo compiles inside it), or ``None``."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # torch built without distributed
+        return None
+    getter = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
+    return getter() if getter is not None else None
+
+
+def _fsdp_module_class():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def _is_dtensor(x: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(x, DTensor)
+
+
+def source_modules(gm: fx.GraphModule | None) -> list[torch.nn.Module]:
+    """Every ``nn.Module`` on the source paths of ``gm``'s inputs (resolved in the frame being
+    compiled), outermost first; ``[]`` outside a Dynamo compile."""
+    if gm is None:
+        return []
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        output = InstructionTranslator.current_tx().output
+    except Exception:  # noqa: BLE001  (not inside a Dynamo compile, or another torch)
+        return []
+
+    def resolve(source):
+        if hasattr(output, "resolve_source_value"):
+            return output.resolve_source_value(source)
+        root_tx = output.root_tx
+        return source.get_value({"G": root_tx.f_globals, "L": root_tx.f_locals}, {}, {})
+
+    found: dict[int, torch.nn.Module] = {}
+    seen_sources: set[str] = set()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        source = getattr(node.meta.get("grapharg"), "source", None) or getattr(node, "_dynamo_source", None)
+        chain = []
+        while source is not None:
+            chain.append(source)
+            source = getattr(source, "base", None)
+        for src in reversed(chain):
+            key = src.name if isinstance(getattr(src, "name", None), str) else repr(src)
+            if key in seen_sources:
+                continue
+            seen_sources.add(key)
+            try:
+                value = resolve(src)
+            except Exception:  # noqa: BLE001  (a source kind that cannot be evaluated here)
+                continue
+            if isinstance(value, torch.nn.Module):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def detect_engine(gm: fx.GraphModule | None, example_inputs: Sequence[Any]) -> Engine:
+    """The engine ``gm`` runs under (see the module docstring)."""
+    ddp = active_ddp()
+    if ddp is not None:
+        pg = getattr(ddp, "process_group", None)
+        world = pg.size() if pg is not None else torch.distributed.get_world_size()
+        return Engine("ddp", weakref.ref(ddp), int(world))
+    fsdp_cls = _fsdp_module_class()
+    fsdp = None
+    if fsdp_cls is not None:
+        fsdp = next((m for m in source_modules(gm) if isinstance(m, fsdp_cls)), None)
+    if fsdp is None and not any(_is_dtensor(x) for x in example_inputs):
+        return Engine("none")
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return Engine("fsdp2", weakref.ref(fsdp) if fsdp is not None else None, int(world))
+
+
+def ddp_comm_hook(ddp: torch.nn.Module) -> str | None:
+    """The name of the communication hook registered on ``ddp`` (Python or built-in), or ``None``."""
+    hooks = getattr(ddp, "_comm_hooks", None)
+    if hooks:
+        hook = hooks[0][0]
+        return getattr(hook, "__qualname__", repr(hook))
+    try:
+        name = ddp._get_ddp_logging_data().get("comm_hook")
+    except Exception:  # noqa: BLE001  (no logger: DDP constructed without one)
+        name = None
+    return name or None
+
+
+def check_combination(engine: Engine, options) -> None:
+    """Refuse the engine settings and ``offload`` modes that do not compose (module docstring).
+
+    Raises:
+        UnsupportedCombinationError: naming the engine setting, the option and what to use.
+    """
+    mode = options.offload
+    if engine.kind == "fsdp2" and mode != "activations":
+        raise UnsupportedCombinationError(
+            f"trinity offload={mode!r} with FSDP2 (fully_shard) is not supported: FSDP2 owns the parameters' "
+            "storages (it all-gathers and frees the unsharded parameters around every block) and their host "
+            "offload. Use FSDP2's own CPUOffloadPolicy (fully_shard(..., offload_policy=CPUOffloadPolicy())) for "
+            "parameters, gradients and optimizer state, and trinity's offload='activations' (the default) for "
+            "saved activations."
+        )
+    if engine.kind != "ddp" or mode != "all":
+        return
+    ddp = engine.module
+    if ddp is None:
+        return
+    problems = []
+    hook = ddp_comm_hook(ddp)
+    if hook is not None:
+        problems.append(
+            f"DDP's communication hook {hook!r} (trinity averages the gradients itself with offload='all', so "
+            "the hook would never run)"
+        )
+    if getattr(ddp, "mixed_precision", None) is not None:
+        problems.append("DDP's mixed_precision (the gradients' reduced dtype would be skipped)")
+    if getattr(ddp, "_use_python_reducer", False):
+        problems.append("DDP's Python reducer (torch._dynamo.config.optimize_ddp='python_reducer')")
+    if getattr(ddp, "find_unused_parameters", False):
+        problems.append("DDP(find_unused_parameters=True) (DDP's reducer would run its own collectives)")
+    if getattr(ddp, "static_graph", False):
+        problems.append("DDP(static_graph=True) (its first step delays and runs DDP's own all-reduce)")
+    if getattr(ddp, "_delay_all_reduce_all_params", False):
+        problems.append("DDP with every parameter's all-reduce delayed (_delay_all_reduce_named_params)")
+    if problems:
+        raise UnsupportedCombinationError(
+            "trinity offload='all' under DDP is not supported with "
+            + "; ".join(problems)
+            + ". Use offload='activations+params' (DDP reduces the device gradients as usual, hooks included) "
+            "or remove the setting."
+        )

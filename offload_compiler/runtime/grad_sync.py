@@ -1,0 +1,189 @@
+"""Averaging gradients across DDP ranks with ``offload="all"``: :class:`GradSync` and its ops.
+
+With ``offload="all"`` the backward sends each parameter's gradient to host memory
+(``trinity::grad_to_host``) and returns ``None`` in its place, so DDP's reducer (whose hooks fire
+on the parameters' gradient accumulation) never sees it. Under DDP the backend therefore
+replaces those nodes (:mod:`offload_compiler.passes.grad_sync`) by ops that do what DDP's reducer
+does with a gradient bucket, per gradient, on the device, before the device-to-host copy:
+
+* ``trinity::grad_sync_mark(int sync) -> ()``, the forward's first node: records whether this
+  forward syncs the gradients of its backward. DDP decides that in its forward
+  (``require_backward_grad_sync``, turned off by ``no_sync()``; the reducer is prepared in
+  ``_post_forward``), and so does this op: the latest forward of the pair decides.
+* ``trinity::grad_reduce(Tensor g, int slot, int rt, int sync, bool inplace) -> ()``, where
+  ``grad_to_host`` was: without sync, exactly ``grad_to_host`` (the gradient is accumulated on
+  the host, locally). With sync, like DDP's reducer with no communication hook
+  (``reducer.cpp``, ``mark_variable_ready_dense``): the bucket entry is the accumulated gradient
+  ``grad + g`` (the host gradient accumulated so far, copied to the device, when there is one:
+  ``no_sync`` micro-steps, or a step without ``zero_grad``) times ``1 / world_size``, then
+  all-reduced with ``SUM`` over DDP's process group. The all-reduce is issued asynchronously
+  (``async_op=True``) and overlaps the rest of the backward. ``inplace``: the graph reads ``g``
+  no more (the pass checked it), so the sum and the scaling are done in ``g`` itself; else in a
+  new tensor (one more gradient-sized buffer until the wait).
+* ``trinity::grad_reduce_wait(Tensor g, int slot, int rt, int sync) -> ()``, where
+  ``grad_to_host_wait`` was: waits for the all-reduce, sends the averaged gradient to the host
+  (replacing the host gradient, which it includes) and waits for that copy. ``g`` stays alive
+  until here (keep-alive through the IR).
+
+The result equals DDP's: ``(grad + g) * (1 / world_size)`` summed over ranks; the addition
+``g + grad`` is the commutative twin of autograd's ``grad += g`` (the same bits), and with two
+ranks the sum is the same two-operand addition whatever the bucket layout. Several graphs
+producing a gradient of one parameter (a weight read on both sides of a graph break) are
+reduced one after the other, each folding in what the host holds: ``R1 + avg(g2)``, the value
+DDP gets from accumulating a reduced gradient.
+
+Gradients are reduced one tensor at a time (not in DDP's 25 MiB buckets): simple and exact, at
+the cost of one collective per parameter. The optimizer state is not sharded across ranks
+(every rank's ``CPUOptimizer`` updates every parameter, on identical gradients).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.fx.node import has_side_effect
+
+from .model_state import get_slot, grad_key
+from .transfer import get_runtime
+
+__all__ = ["GradSync", "get_grad_sync", "GRAD_SYNC_MARK", "GRAD_REDUCE", "GRAD_REDUCE_WAIT", "GRAD_SYNC_OPS"]
+
+_ids = itertools.count(1)
+_registry: weakref.WeakValueDictionary[int, GradSync] = weakref.WeakValueDictionary()
+_registry_lock = threading.Lock()
+
+
+class GradSync:
+    """Gradient averaging of one compiled graph pair under one DDP module.
+
+    Args:
+        ddp: the ``DistributedDataParallel`` module whose forward compiled the pair (held weakly;
+            its ``process_group`` is used, and its ``require_backward_grad_sync`` read at every
+            forward).
+        slot_ids: the parameter slots whose gradients DDP reduces (parameters that require a
+            gradient and are not in ``ddp.parameters_to_ignore``).
+
+    Attributes:
+        world_size: ranks in DDP's process group.
+        sync: whether the latest forward asked for synced gradients.
+        num_reduced: gradients all-reduced so far (for tests and reports).
+    """
+
+    def __init__(self, ddp: torch.nn.Module, slot_ids: frozenset[int]):
+        self.ddp_ref = weakref.ref(ddp)
+        self.group = ddp.process_group
+        self.world_size = int(self.group.size())
+        self.slot_ids = frozenset(slot_ids)
+        self.sync = True
+        self.num_reduced = 0
+        self._inflight: dict[int, tuple] = {}
+        self._lock = threading.Lock()
+        with _registry_lock:
+            self.id = next(_ids)
+            _registry[self.id] = self
+
+    def mark(self) -> None:
+        """Record the sync decision of the forward now running (``trinity::grad_sync_mark``)."""
+        ddp = self.ddp_ref()
+        self.sync = bool(getattr(ddp, "require_backward_grad_sync", True)) if ddp is not None else True
+
+    def reduce(self, g: torch.Tensor, slot_id: int, runtime, inplace: bool) -> None:
+        """``trinity::grad_reduce`` (module docstring)."""
+        slot = get_slot(slot_id)
+        if not self.sync or slot_id not in self.slot_ids:
+            slot.add_grad(g, runtime)
+            return
+        slot.finish_grad()  # a previous micro-step's copy into the host gradient lands first
+        scale = 1.0 / self.world_size
+        if slot.grad_valid:
+            held = torch.empty_like(g)
+            held.copy_(slot.grad)  # host -> device (DDP's bucket holds the accumulated .grad)
+            bucket = g.add_(held) if inplace else torch.add(g, held)
+            del held
+            bucket.mul_(scale)
+        else:
+            bucket = g.mul_(scale) if inplace else torch.mul(g, scale)
+        work = dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        with self._lock:
+            self._inflight[slot_id] = (work, bucket)
+
+    def wait(self, g: torch.Tensor, slot_id: int, runtime) -> None:
+        """``trinity::grad_reduce_wait`` (module docstring)."""
+        with self._lock:
+            entry = self._inflight.pop(slot_id, None)
+        if entry is not None:
+            work, bucket = entry
+            work.wait()
+            slot = get_slot(slot_id)
+            slot.grad_valid = False  # the host gradient is replaced: the bucket includes it
+            slot.add_grad(bucket, runtime)
+            self.num_reduced += 1
+            del bucket
+        runtime.wait_key(grad_key(slot_id))
+        runtime.reap_staged()
+
+
+def get_grad_sync(sync_id: int) -> GradSync:
+    """The live :class:`GradSync` with this id.
+
+    Raises:
+        RuntimeError: when the compiled code that owned it has been freed.
+    """
+    sync = _registry.get(sync_id)
+    if sync is None:
+        raise RuntimeError(f"trinity gradient sync {sync_id} no longer exists")
+    return sync
+
+
+_lib = torch.library.Library("trinity", "FRAGMENT")
+_lib.define("grad_sync_mark(int sync) -> ()")
+_lib.define("grad_reduce(Tensor(a!) g, int slot, int rt, int sync, bool inplace) -> ()")
+_lib.define("grad_reduce_wait(Tensor g, int slot, int rt, int sync) -> ()")
+
+
+def _grad_sync_mark(sync: int) -> None:
+    get_grad_sync(sync).mark()
+
+
+def _grad_reduce(g: torch.Tensor, slot: int, rt: int, sync: int, inplace: bool) -> None:
+    get_grad_sync(sync).reduce(g, slot, get_runtime(rt), inplace)
+
+
+def _grad_reduce_wait(g: torch.Tensor, slot: int, rt: int, sync: int) -> None:
+    get_grad_sync(sync).wait(g, slot, get_runtime(rt))
+
+
+for _name, _fn in (
+    ("grad_sync_mark", _grad_sync_mark),
+    ("grad_reduce", _grad_reduce),
+    ("grad_reduce_wait", _grad_reduce_wait),
+):
+    _lib.impl(_name, _fn, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("trinity::grad_sync_mark", lib=_lib)
+def _grad_sync_mark_fake(sync: int) -> None:
+    return None
+
+
+@torch.library.register_fake("trinity::grad_reduce", lib=_lib)
+def _grad_reduce_fake(g: torch.Tensor, slot: int, rt: int, sync: int, inplace: bool) -> None:
+    return None
+
+
+@torch.library.register_fake("trinity::grad_reduce_wait", lib=_lib)
+def _grad_reduce_wait_fake(g: torch.Tensor, slot: int, rt: int, sync: int) -> None:
+    return None
+
+
+GRAD_SYNC_MARK = torch.ops.trinity.grad_sync_mark.default
+GRAD_REDUCE = torch.ops.trinity.grad_reduce.default
+GRAD_REDUCE_WAIT = torch.ops.trinity.grad_reduce_wait.default
+GRAD_SYNC_OPS = (GRAD_SYNC_MARK, GRAD_REDUCE, GRAD_REDUCE_WAIT)
+
+for _op in GRAD_SYNC_OPS:
+    has_side_effect(_op)
