@@ -172,12 +172,12 @@ class TrinityReport:
         fallback_reason: str | None = None,
         size_bounds: tuple[tuple[str, int], ...] = (),
         dump_dir: str | None = None,
-        **extra,
+        **fields,
     ) -> TrinityReport:
         """The report of one pair from its final :class:`~offload_compiler.pipeline.PairPlan`
         (after the rewrite passes and the verifier). ``peak_bytes_planned`` is the verifier's
         re-measured peak when it ran, else the plan's; the other figures are the plan's.
-        ``extra``: further fields as they are (e.g. the joint planner's ``strategy``,
+        ``fields``: further fields as they are (e.g. the joint planner's ``strategy``,
         ``recompute``, ``decisions``, ``fits_without_plan``)."""
         act, pred, live = plan.activations, plan.predictions, plan.activation_liveness
         extra = plan.model_state.resident_bytes
@@ -248,7 +248,7 @@ class TrinityReport:
                 for st in live.saved
                 if not st.evictable and not st.reason.startswith("aliases a")
             ),
-            **extra,
+            **fields,
         )
 
     def runtime_stats(self) -> TransferStats | None:
