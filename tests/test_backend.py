@@ -246,17 +246,28 @@ class Tanhs(nn.Module):
 
 
 def test_infeasible_when_activations_dominate_but_are_too_small_to_offload():
-    f = torch.compile(
-        Tanhs(), backend="trinity", options={"inner": "eager", "memory_budget": "4KiB", "min_offload_bytes": "1GiB"}
-    )
+    # strategy="offload": only offloading may lower the peak, and nothing is large enough.
+    options = {"inner": "eager", "memory_budget": "4KiB", "min_offload_bytes": "1GiB", "strategy": "offload"}
+    f = torch.compile(Tanhs(), backend="trinity", options=options)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
         f(torch.randn(2048, 32)).backward()
     msg = str(backend_error(info))
     assert "4096 bytes" in msg and "lowest peak" in msg
     assert "dominated by saved activation" in msg
+    assert "recomputable" not in msg
     # Six saved tanh outputs of 2048x32 float32 (256 KiB each) exist; at least the last ones are
     # alive at the backward's peak, and nothing can be offloaded.
-    assert _lowest_peak(msg) >= 4 * 256 * 1024
+    offload_lowest = _lowest_peak(msg)
+    assert offload_lowest >= 4 * 256 * 1024
+    # The default strategy ("auto") may also recompute them: still infeasible at 4 KiB, but the
+    # message says what recomputation did and its lowest peak is no higher.
+    torch._dynamo.reset()
+    f = torch.compile(Tanhs(), backend="trinity", options={**options, "strategy": "auto"})
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        f(torch.randn(2048, 32)).backward()
+    msg = str(backend_error(info))
+    assert "strategy='auto'" in msg and "recomputable saved buffers recomputed" in msg
+    assert 4 * 256 * 1024 <= _lowest_peak(msg) <= offload_lowest
 
 
 @pytest.mark.parametrize("offload", ["activations", "all"])

@@ -162,7 +162,10 @@ def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain]) -> dict[
         and not outputs[i].meta.get("saved_tensor_with_no_vc_check", False)
     ]
     insert_at = (tensor_positions[-1] + 1) if tensor_positions else pair.num_fwd_outputs
-    after_ph = bw_ph[outputs[tensor_positions[-1]].name] if tensor_positions else None
+    # The saved values' backward placeholders by position (checkpointing's RNG states have
+    # placeholders named unlike their forward nodes; GraphPair.saved_links binds them).
+    placeholder_at = {link.fw_output_index: link.bw_placeholder for link in pair.saved_links()}
+    after_ph = placeholder_at.get(tensor_positions[-1]) if tensor_positions else None
     if after_ph is None:
         after_ph = next(iter(bw.find_nodes(op="placeholder")))
     new_links: list[str] = []
