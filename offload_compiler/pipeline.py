@@ -581,9 +581,11 @@ def _verify(ctx: RewriteContext, plan: PairPlan) -> PairPlan:
 def run_rewrites(ctx: RewriteContext, plan: PairPlan, passes: tuple[RewritePass, ...] = REWRITE_PASSES) -> PairPlan:
     """Run ``passes`` in order on ``ctx.pair``, then the verifier (when ``verify`` is on).
 
-    Each pass is timed into ``ctx.seconds``; with a dumper, the graphs are written as the pass's
-    dump stage right after it changed them, so consecutive dumps differ exactly by what one pass
-    did, and ``passes.json`` lists the passes in run order. Returns the final plan.
+    Each pass that applies (returns a plan) is timed into ``ctx.seconds``; a pass with nothing to
+    do (returns ``None``, e.g. ``insert_recompute`` without chains) is neither timed nor dumped.
+    With a dumper, the graphs are written as the pass's dump stage right after it changed them, so
+    consecutive dumps differ exactly by what one pass did, and ``passes.json`` lists the passes in
+    run order. Returns the final plan.
 
     Raises:
         offload_compiler.passes.verify.VerificationError: when the verifier finds a violation.
@@ -591,9 +593,9 @@ def run_rewrites(ctx: RewriteContext, plan: PairPlan, passes: tuple[RewritePass,
     for p in passes:
         t0 = time.perf_counter()
         out = p.run(ctx, plan)
-        ctx.seconds[p.name] = time.perf_counter() - t0
         if out is None:
             continue
+        ctx.seconds[p.name] = time.perf_counter() - t0
         plan = out
         ctx.run_order.append((p.name, p.dump))
         if ctx.dumper:
