@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 ROOT = Path(__file__).resolve().parent.parent
 CASES = [
     "ddp_split",
+    "ddp_split_bytes",
     "ddp_no_sync",
     "ddp_powersgd",
     "ddp_params",
@@ -62,10 +63,33 @@ def ok(results, name):
     return r
 
 
+PEAK_SLACK_BYTES = 64 * 1024  # as in distributed_cases.py
+
+
+def within_step_budget(r):
+    """The step's budget covers DDP's splits: one ledger of ``splits`` pairs, the predicted
+    step peak within the budget and the measured one too."""
+    assert r["num_pairs"] == r["splits"] and r["within_budget"], r["step_summary"]
+    assert r["predicted_peak_bytes"] <= r["budget_bytes"]
+    assert r["measured_peak_bytes"] <= r["budget_bytes"] + PEAK_SLACK_BYTES, r["step_summary"]
+
+
 def test_ddp_with_split_graphs_matches_ddp(results):
     r = ok(results, "ddp_split")
     assert r["splits"] >= 4
     assert r["loss_rel_err"] <= 1e-6 and r["param_rel_err"] <= 1e-6 and r["rank_max_diff"] == 0
+    # "60%" is of the whole step's unplanned peak (4 splits), not of each split's.
+    assert r["budget_bytes"] == int(0.6 * r["unplanned_peak_bytes"])
+    within_step_budget(r)
+
+
+def test_ddp_split_graphs_share_an_absolute_step_budget(results):
+    r = ok(results, "ddp_split_bytes")
+    assert r["splits"] >= 4 and r["budget_bytes"] == 5_000_000
+    # Planned one split at a time against 5 MB each, the step would not fit.
+    assert r["unplanned_peak_bytes"] > r["budget_bytes"]
+    assert r["param_rel_err"] <= 1e-6 and r["rank_max_diff"] == 0
+    within_step_budget(r)
 
 
 def test_ddp_no_sync_accumulation(results):
@@ -81,6 +105,7 @@ def test_ddp_powersgd_hook(results):
 def test_ddp_activations_and_params(results):
     r = ok(results, "ddp_params")
     assert r["splits"] >= 4 and r["param_rel_err"] <= 1e-6
+    within_step_budget(r)
 
 
 def test_ddp_offload_all_averages_gradients_like_ddp(results):
@@ -89,6 +114,7 @@ def test_ddp_offload_all_averages_gradients_like_ddp(results):
     # Every parameter's gradient is all-reduced once per synced backward, by trinity.
     assert r["all_reduces_per_step"] == [r["params_needing_grad"]] * 3
     assert r["loss_rel_err"] <= 1e-6 and r["param_rel_err"] <= 1e-6 and r["rank_max_diff"] == 0
+    within_step_budget(r)
 
 
 def test_ddp_offload_all_respects_no_sync(results):
