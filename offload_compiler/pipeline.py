@@ -769,18 +769,19 @@ class CompileSession:
                     del self.param_slots[i]
 
     def _step_defers(self) -> bool:
-        """Whether an infeasible plan waits for the step's check: a percentage budget in a DDP
-        split that is not the frame's last (the step's unplanned peak is not known yet)."""
-        return self.step is not None and self.options.memory_budget.kind == "fraction" and not self.step.last_split
+        """Whether an infeasible plan waits for the step's check: a percentage budget while more
+        pairs of the step are to compile (the step's unplanned peak is not known yet)."""
+        return self.step is not None and self.options.memory_budget.kind == "fraction" and self.step.more_coming
 
     def _record_step(self, the_plan: PairPlan) -> None:
-        """Record the pair in its step's ledger; at the last DDP split of a percentage budget,
-        check every split's predicted step peak against the step's final budget."""
+        """Record the pair in its step's ledger; at the step's last pair (of several) under a
+        percentage budget, check every pair's predicted step peak against the step's final
+        budget."""
         self.step.record(the_plan, self.step_held)
         opts = self.options
-        if opts.memory_budget.kind != "fraction" or self.step.split is None or not self.step.last_split:
-            return
         step = self.step.ledger.report()
+        if opts.memory_budget.kind != "fraction" or self.step.more_coming or len(step.pairs) < 2:
+            return
         budget = int(opts.memory_budget.value * step.unplanned_peak_bytes)
         over = [p for p in step.pairs if p.step_peak_bytes > budget]
         if not over:
@@ -788,8 +789,8 @@ class CompileSession:
         worst = max(over, key=lambda p: p.step_peak_bytes)
         message = (
             f"trinity: memory_budget {opts.memory_budget.describe()} of the training step's unplanned peak "
-            f"{step.unplanned_peak_bytes} bytes is {budget} bytes; {len(over)} of DDP's {len(step.pairs)} graph "
-            f"splits cannot stay within it, the worst {worst.label} at {worst.step_peak_bytes} bytes "
+            f"{step.unplanned_peak_bytes} bytes is {budget} bytes; {len(over)} of its {len(step.pairs)} graph "
+            f"pairs cannot stay within it, the worst {worst.label} at {worst.step_peak_bytes} bytes "
             f"({worst.own_planned_peak_bytes} its own, {worst.held_bytes} held by the rest of the step).\n"
             + step.summary()
         )
@@ -849,12 +850,12 @@ class CompileSession:
             if self.step is not None and self.step_held[0]:
                 message += (
                     f" The training step's other graph pairs hold {self.step_held[0]} bytes while this one runs"
-                    " (offload_compiler.step_report(model))."
+                    " (earlier pairs are not replanned to keep less):\n" + self.step.ledger.report().summary()
                 )
             if self._step_defers():
                 # A DDP split's percentage budget is provisional until the last split compiles.
-                log.info("%s (provisional: checked when DDP's last split compiles)", message)
-                fallback = "budget infeasible for now; checked against the step's budget at the last DDP split"
+                log.info("%s (provisional: checked when the step's last graph pair compiles)", message)
+                fallback = "budget infeasible for now; checked against the step's budget at its last graph pair"
             elif opts.on_infeasible == "error":
                 if dumper:
                     dumper.text("error.txt", message)

@@ -29,9 +29,11 @@ pair with them (``ModelState.held_bytes`` comes off the pair's budget) and recor
 pairs compiled so far, of the pair's own unplanned peak plus what the others hold unplanned (the
 earlier pairs' saved activations all kept). A pair compiled before the step's last pair sees a
 smaller step so far, so it plans against a smaller budget than the final one (it evicts more than
-needed, never less). Under DDP's graph splitting a split that cannot reach its (provisional)
-percentage budget is not refused at once: the last split's compile checks every split's planned
-step peak against the final budget, and refuses there (``on_infeasible="error"``) or warns.
+needed, never less). A pair that cannot reach its (provisional) percentage budget while more
+pairs of the step are still to compile (a DDP split that is not its frame's last, a graph ending
+at a graph break) is not refused at once: the step's last pair's compile checks every pair's
+planned step peak against the final budget, and refuses there (``on_infeasible="error"``) or
+warns.
 
 **Where the ledger lives**: on the DDP module under DDP, else on the outermost module that owns
 the pair's parameters (the compiled model; after a graph break, the resumed frame's ``self``).
@@ -160,6 +162,14 @@ class StepLedger:
         self._ddp = weakref.ref(ddp) if ddp is not None else None
         self._entries: dict[Any, PairHolding] = {}
 
+    def belongs_to(self, root: torch.nn.Module) -> bool:
+        return self._root() is root
+
+    def __reduce__(self):
+        # A copied or pickled module (``copy.deepcopy``, ``torch.save``) gets an empty ledger
+        # that belongs to no module: its first compile starts a new one.
+        return (_detached_ledger, ())
+
     @property
     def entries(self) -> tuple[PairHolding, ...]:
         return tuple(self._entries.values())
@@ -228,6 +238,14 @@ class StepLedger:
         )
 
 
+def _detached_ledger() -> StepLedger:
+    ledger = StepLedger.__new__(StepLedger)
+    ledger._root = lambda: None
+    ledger._ddp = None
+    ledger._entries = {}
+    return ledger
+
+
 @dataclass
 class StepPair:
     """One pair's membership in a step: its ledger, key, label and the parameters it reads.
@@ -238,6 +256,8 @@ class StepPair:
         label: for reports.
         params: the real parameters it reads (id -> parameter).
         split: ``(index, count)`` of a DDP split, else ``None``.
+        graph_break: Dynamo compiles the frame's graph because of a graph break: more pairs of
+            the step follow (the code after the break).
     """
 
     ledger: StepLedger
@@ -245,11 +265,13 @@ class StepPair:
     label: str
     params: dict[int, torch.nn.Parameter]
     split: tuple[int, int] | None = None
+    graph_break: bool = False
 
     @property
-    def last_split(self) -> bool:
-        """Whether no other split of the same DDP frame compiles after this one."""
-        return self.split is None or self.split[0] == self.split[1] - 1
+    def more_coming(self) -> bool:
+        """Whether more pairs of the step compile after this one: a DDP split that is not its
+        frame's last, or a graph ending at a graph break."""
+        return self.graph_break or (self.split is not None and self.split[0] < self.split[1] - 1)
 
     def holdings(self, offload: str) -> tuple[int, int, int]:
         return self.ledger.holdings(self.key, set(self.params), offload)
@@ -333,7 +355,9 @@ def join_step(gm, example_inputs, engine) -> StepPair | None:
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        code = InstructionTranslator.current_tx().output.root_tx.f_code
+        output = InstructionTranslator.current_tx().output
+        code = output.root_tx.f_code
+        graph_break = bool(getattr(getattr(output, "compile_subgraph_reason", None), "graph_break", False))
     except Exception:  # noqa: BLE001  (not inside a Dynamo compile: nothing to join)
         return None
     params = real_parameters(example_inputs, gm)
@@ -347,13 +371,13 @@ def join_step(gm, example_inputs, engine) -> StepPair | None:
             return None
         root = holder = roots[0]
     ledger = getattr(holder, LEDGER_ATTR, None)
-    if not isinstance(ledger, StepLedger):
+    if not isinstance(ledger, StepLedger) or not ledger.belongs_to(root):
         ledger = StepLedger(root, ddp)
         setattr(holder, LEDGER_ATTR, ledger)
     split = _ddp_split_position() if ddp is not None else None
     index = split[0] if split is not None else 0
     label = code.co_name + (f" (DDP split {index} of {split[1]})" if split is not None else "")
-    return StepPair(ledger, (code, index), label, {id(p): p for p in params.values()}, split)
+    return StepPair(ledger, (code, index), label, {id(p): p for p in params.values()}, split, graph_break)
 
 
 def step_report(module: torch.nn.Module) -> StepReport | None:

@@ -100,7 +100,9 @@ def test_graph_break_pairs_share_an_absolute_budget(reference):
 @pytest.mark.parametrize("fraction", [0.6, 0.75])
 def test_graph_break_percentage_is_of_the_step(reference, fraction):
     ref_peak, ref_grads = reference
-    model, m, grads = train(f"{fraction:.0%}")
+    # The first piece cannot reach its provisional budget (a percentage of its own part of the
+    # step): not refused, the step's check at the second piece's compile decides.
+    model, m, grads = train(f"{fraction:.0%}", on_infeasible="error")
     check_grads(grads, ref_grads)
     report = step_report(model)
     # The step's unplanned peak: the largest of the pairs' own plus what the other holds.
@@ -120,6 +122,14 @@ def test_later_pair_that_cannot_fit_is_refused_naming_the_step():
     inner = getattr(info.value, "inner_exception", info.value)
     assert isinstance(inner, InfeasibleBudgetError)
     assert "training step's other graph pairs hold" in str(inner)
+
+
+def test_percentage_the_step_cannot_reach_is_refused():
+    with pytest.raises(Exception) as info:
+        train("40%", on_infeasible="error")
+    inner = getattr(info.value, "inner_exception", info.value)
+    assert isinstance(inner, InfeasibleBudgetError)
+    assert "40%" in str(inner) and "training step" in str(inner)
 
 
 def test_single_graph_is_its_own_step():
@@ -146,3 +156,27 @@ def test_single_graph_is_its_own_step():
     assert pair.held_bytes == 0 and pair.held_unplanned_bytes == 0
     assert report.budget_bytes == int(0.7 * pair.own_unplanned_peak_bytes)
     assert offload_compiler.last_report().budget_bytes == report.budget_bytes
+
+
+def test_copied_or_pickled_model_gets_its_own_ledger():
+    import copy
+    import io
+
+    model, _, _ = train(1_800_000)
+    assert len(step_report(model).pairs) == 2
+    for other in (copy.deepcopy(model), torch.load(_saved(model, io), weights_only=False)):
+        assert step_report(other).pairs == ()  # a ledger of no module: nothing compiled yet
+        torch._dynamo.reset()  # else Dynamo may run the original's graphs for the copy
+        compiled = torch.compile(
+            other, backend="trinity", options={"inner": "eager", "memory_budget": 1_800_000, "min_offload_bytes": 0}
+        )
+        compiled(torch.randn(512, 64)).backward()
+        report = step_report(other)
+        assert len(report.pairs) == 2 and report.pairs[0].held_bytes == 2 * nbytes(other.a.parameters())
+
+
+def _saved(model, io):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return buf
