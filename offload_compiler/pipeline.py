@@ -848,9 +848,14 @@ class CompileSession:
             )
             message += plan_recompute.infeasible_note(joint.recompute)
             if self.step is not None and self.step_held[0]:
+                # The figures above are this pair's own; the budget is the step's.
+                lowest = the_plan.predictions.lowest_reachable_peak_bytes
+                step_unplanned = max(the_plan.predictions.unplanned_peak_bytes, self.step_held[2])
                 message += (
                     f" The training step's other graph pairs hold {self.step_held[0]} bytes while this one runs"
-                    " (earlier pairs are not replanned to keep less):\n" + self.step.ledger.report().summary()
+                    f" (earlier pairs are not replanned to keep less): the lowest step budget this pair runs in is"
+                    f" {lowest} bytes, {100 * lowest / max(step_unplanned, 1):.1f}% of the step's unplanned peak"
+                    f" ({step_unplanned} bytes so far).\n" + self.step.ledger.report().summary()
                 )
             if self._step_defers():
                 # A DDP split's percentage budget is provisional until the last split compiles.
