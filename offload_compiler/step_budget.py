@@ -15,7 +15,8 @@ counts:
   pair and do not count);
 * the gradients of those parameters (left by later pairs' backwards, or by an earlier
   micro-step under gradient accumulation; none for parameters whose gradients go to host memory
-  with ``"all"``);
+  with ``"all"``); counted for the whole pair, forward included, and also for earlier pairs'
+  parameters whose gradients do not exist yet (conservative);
 * under DDP, the reducer's gradient buckets (the bytes of the parameters DDP reduces).
 
 A later pair's saved activations are never alive while pair ``i`` runs (its backward has freed
@@ -46,7 +47,8 @@ code between them, the optimizer's state, FSDP2's all-gather buffers); a block g
 several times per step (FSDP2 per-block compile, a reused ``block.compile()``: each run is planned
 as if it were the step's only one); pairs that do not run in compile order; earlier pairs are
 never replanned when a later one cannot fit (it is refused or warned about like any infeasible
-budget); and ``memory_budget="auto"``, which is the free device memory at each pair's compile
+budget); under gradient accumulation, the pair's own gradients from the earlier micro-step;
+and ``memory_budget="auto"``, which is the free device memory at each pair's compile
 (what the others already hold is not free), without the ledger's holdings.
 """
 
