@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -184,6 +185,13 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
 
     # The training step's ledger (step_budget.py); a replan of the runtime check keeps the pair's.
     session.step = step if step is not None else join_step(gm, example_inputs, engine)
+    if engine.kind == "fsdp2" and opts.memory_budget.kind in ("bytes", "fraction"):
+        warnings.warn(
+            f"trinity: under FSDP2 memory_budget={opts.memory_budget.describe()!r} applies to each run of a "
+            "block's graph, not to the whole training step (a block graph runs once per block, and FSDP2's "
+            "all-gather buffers are not planned); see README 'Distributed'",
+            stacklevel=2,
+        )
     partitioner = TrinityPartitioner(session)
     if opts.offload != "activations":
         if opts.inner != "eager":

@@ -133,6 +133,7 @@ def test_ddp_comm_hook_with_offload_all_is_refused(results):
 def test_fsdp2_per_block_compile_matches_fsdp2(results):
     r = ok(results, "fsdp_blocks")
     assert r["param_rel_err"] <= 1e-6 and r["rank_max_diff"] == 0
+    assert r["budget_per_block_warned"]  # the budget is per block run under FSDP2, and it says so
 
 
 def test_fsdp2_cpu_offload_policy_with_activation_offload(results):
