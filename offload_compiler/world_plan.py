@@ -725,10 +725,18 @@ def _compression_verdict(scores: list[LayoutScore], best: LayoutScore | None, ra
         return out
 
     def key(s):
-        return (s.layout.dp, s.layout.tp, s.layout.pp, s.offload_budget_bytes)
+        # The same degrees and pipeline schedule; each side's own offload budget (the hook's
+        # buffers raise the peak, so the two may fit at different offload plans).
+        return (s.layout.dp, s.layout.tp, s.layout.pp, s.layout.schedule, s.layout.microbatches)
 
-    plain = {key(s): s for s in scores if s.layout.dp_kind == "ddp" and s.fits}
-    comp = {key(s): s for s in scores if s.layout.dp_kind == "ddp+powersgd" and s.fits}
+    def fastest(kind: str) -> dict:
+        out: dict = {}
+        for s in scores:
+            if s.layout.dp_kind == kind and s.fits and (key(s) not in out or s.step_seconds < out[key(s)].step_seconds):
+                out[key(s)] = s
+        return out
+
+    plain, comp = fastest("ddp"), fastest("ddp+powersgd")
     pairs = [(plain[k], comp[k]) for k in plain if k in comp]
     if not pairs:
         out["message"] = "no DDP layout fits, and PowerSGD is a DDP comm hook (FSDP2's reduce-scatter has none)"

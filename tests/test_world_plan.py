@@ -331,3 +331,36 @@ def test_stage_preset_refuses_what_cannot_split():
         wp.stage_preset(get_preset("demo"), 2, 3)
     with pytest.raises(ValueError, match="the model has 4"):
         wp.stage_preset(get_preset("demo"), 5, 1)
+
+
+def test_compression_verdict_pairs_ddp_layouts_that_fit_at_different_offload_budgets():
+    # The hook's buffers raise the peak, so plain DDP and DDP + PowerSGD of the same degrees may fit
+    # only at different offload plans; the verdict must still compare them (it once said "no DDP
+    # layout fits" next to a table of fitting DDP layouts).
+    from types import SimpleNamespace
+
+    def score(kind, budget, seconds, comm, fits=True):
+        return SimpleNamespace(
+            layout=wp.Layout(dp=2, tp=1, pp=1, dp_kind=kind),
+            fits=fits,
+            step_seconds=seconds,
+            comm_bytes=comm,
+            offload_budget_bytes=budget,
+        )
+
+    scores = [
+        score("ddp", None, 0.50, 1000),
+        score("ddp", 2**30, 0.40, 1000),  # the fastest plain DDP
+        score("ddp+powersgd", 2**29, 0.45, 100),
+        score("ddp+powersgd", None, 0.30, 100, fits=False),  # does not fit: ignored
+        score("fsdp", None, 0.20, 800),
+    ]
+    out = wp._compression_verdict(scores, scores[-1], rank=4)
+    assert not out["applies"] and not out["pays"]
+    assert out["step_plain_seconds"] == 0.40 and out["step_compressed_seconds"] == 0.45
+    assert "no DDP layout fits" not in out["message"] and "does not pay" in out["message"]
+    out = wp._compression_verdict(scores, scores[1], rank=4)
+    assert out["applies"] and not out["pays"] and out["comm_bytes_compressed"] == 100
+    scores[2].step_seconds = 0.35
+    out = wp._compression_verdict(scores, scores[2], rank=4)
+    assert out["applies"] and out["pays"] and "compression pays" in out["message"]
