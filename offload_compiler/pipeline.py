@@ -840,6 +840,19 @@ class CompileSession:
         if not act.feasible:
             # A percentage budget is a fraction of the peak resolve_budget saw (with parameter
             # offload, the one with every parameter resident).
+            reach = None
+            in_step = self.step is not None and self.step_held[0]
+            if in_step:
+                # The budget is the step's: the lowest budget that runs is stated as a fraction
+                # of the step's unplanned peak, the value to pass back as memory_budget.
+                lowest = the_plan.predictions.lowest_reachable_peak_bytes
+                step_unplanned = max(the_plan.predictions.unplanned_peak_bytes, self.step_held[2])
+                reach = (
+                    f"The training step's other graph pairs hold {self.step_held[0]} bytes while this one runs"
+                    " (earlier pairs are not replanned to keep less), so the lowest budget that runs is"
+                    f" memory_budget='{plan_window.lowest_budget_percent(lowest, step_unplanned)}' of the step's"
+                    f" peak without offloading ({step_unplanned} bytes so far), or memory_budget={lowest} (bytes)."
+                )
             message = plan_window.describe_infeasible(
                 act,
                 view,
@@ -847,18 +860,11 @@ class CompileSession:
                 opts.min_offload_bytes,
                 opts.on_infeasible,
                 unplanned_peak_bytes=the_plan.liveness.peak_bytes,
+                reach_override=reach,
             )
             message += plan_recompute.infeasible_note(joint.recompute)
-            if self.step is not None and self.step_held[0]:
-                # The figures above are this pair's own; the budget is the step's.
-                lowest = the_plan.predictions.lowest_reachable_peak_bytes
-                step_unplanned = max(the_plan.predictions.unplanned_peak_bytes, self.step_held[2])
-                message += (
-                    f" The training step's other graph pairs hold {self.step_held[0]} bytes while this one runs"
-                    f" (earlier pairs are not replanned to keep less): the lowest step budget this pair runs in is"
-                    f" {lowest} bytes, {100 * lowest / max(step_unplanned, 1):.1f}% of the step's unplanned peak"
-                    f" ({step_unplanned} bytes so far).\n" + self.step.ledger.report().summary()
-                )
+            if in_step:
+                message += "\n" + self.step.ledger.report().summary()
             if self._step_defers():
                 # A DDP split's percentage budget is provisional until the last split compiles.
                 log.info("%s (provisional: checked when the step's last graph pair compiles)", message)

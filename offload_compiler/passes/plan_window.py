@@ -532,6 +532,7 @@ def describe_infeasible(
     min_offload_bytes: int,
     on_infeasible: str = "error",
     unplanned_peak_bytes: int | None = None,
+    reach_override: str | None = None,
 ) -> str:
     """The error text for a budget no plan reaches: the budget, the lowest reachable peak (in
     bytes and as the ``memory_budget`` percentage that reaches it, see
@@ -540,7 +541,9 @@ def describe_infeasible(
     ``"warn"``).
 
     ``unplanned_peak_bytes``: the peak a percentage budget is a fraction of (default: the plan's
-    unplanned peak; with parameter offload, the peak with every parameter resident)."""
+    unplanned peak; with parameter offload, the peak with every parameter resident).
+    ``reach_override``: replaces the sentence naming the lowest budget that runs (a pair of a
+    multi-graph training step states it as a fraction of the step's peak instead)."""
     parts = ", ".join(
         f"{kind} {format_bytes(b)} ({100 * b / max(1, plan_.lowest_reachable_peak_bytes):.0f}%)"
         for kind, b in plan_.peak_breakdown
@@ -578,6 +581,8 @@ def describe_infeasible(
             f"The lowest budget that runs is memory_budget='{percent}' of this graph's peak without "
             f"offloading, or memory_budget={lowest} (bytes)."
         )
+    if reach_override is not None:
+        reach = reach_override
     remedies = ["raise memory_budget"]
     if min_offload_bytes > 0:
         remedies.append("lower min_offload_bytes")
