@@ -538,15 +538,13 @@ def _as_sparse_meta(val):
 
 @pytest.fixture
 def gloo_world():
-    import os
 
     import torch.distributed as dist
 
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # An in-process store: no TCP port that a concurrent job could already hold.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield dist.group.WORLD
     finally:
