@@ -22,8 +22,8 @@ import torch
 
 import offload_compiler
 from offload_compiler import CPUOptimizer, measure_peak_device_bytes
+from offload_compiler.ir.ops import PARAM_FETCH, PARAM_RELEASE
 from offload_compiler.passes import liveness, param_residency, verify
-from offload_compiler.runtime.param_ops import PARAM_FETCH, PARAM_RELEASE
 
 from . import models
 from .graphs import partition_unaware_of_parameters

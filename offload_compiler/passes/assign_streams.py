@@ -55,7 +55,8 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph_pair import hint_int, tensor_vals
-from ..runtime.ops import (
+from ..ir.alias import span_bytes
+from ..ir.ops import (
     EVICT,
     EVICT_WAIT,
     PREFETCH,
@@ -66,7 +67,6 @@ from ..runtime.ops import (
     TRANSFER_OPS,
     WAIT_EVENT,
 )
-from ..runtime.transfer import span_bytes
 from .liveness import _schema_view_of
 
 __all__ = [

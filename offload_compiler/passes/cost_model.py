@@ -34,9 +34,9 @@ from torch.utils.flop_counter import flop_registry
 
 from ..devices import DeviceSpec
 from ..graph_pair import GraphPair, hint_int, tensor_vals
+from ..ir.alias import span_bytes
+from ..ir.ops import TRANSFER_OPS
 from ..options import TrinityOptions
-from ..runtime.ops import TRANSFER_OPS
-from ..runtime.transfer import span_bytes
 from .liveness import Liveness
 
 __all__ = [

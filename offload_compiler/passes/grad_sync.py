@@ -23,16 +23,25 @@ Matches nodes by op target. Reads ``node.meta["val"]`` (storage identity of fake
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph_pair import GraphPair
-from ..runtime.grad_sync import GRAD_REDUCE, GRAD_REDUCE_WAIT, GRAD_SYNC_MARK, GradSync
-from ..runtime.param_ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT
+from ..ir.ops import GRAD_REDUCE, GRAD_REDUCE_WAIT, GRAD_SYNC_MARK, GRAD_TO_HOST, GRAD_TO_HOST_WAIT
 
-__all__ = ["GradSyncRewrite", "apply"]
+__all__ = ["GradSyncRewrite", "GradSyncSpec", "apply"]
+
+
+class GradSyncSpec(Protocol):
+    """What :func:`apply` reads of the gradient sync it rewrites for (the runtime's
+    :class:`~offload_compiler.runtime.grad_sync.GradSync` is one)."""
+
+    id: int  # the sync's id, an argument of the inserted ops
+    slot_ids: frozenset[int]  # the parameter slots whose gradients are reduced
+    world_size: int  # ranks in the process group
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,7 @@ def _inplace_ok(g: fx.Node, issue: fx.Node, slot: int, order: dict[fx.Node, int]
     return True
 
 
-def apply(pair: GraphPair, sync: GradSync) -> GradSyncRewrite:
+def apply(pair: GraphPair, sync: GradSyncSpec) -> GradSyncRewrite:
     """Rewrite ``pair`` in place for ``sync`` (module docstring); returns what was done."""
     fw = pair.forward.graph
     placeholders = list(fw.find_nodes(op="placeholder"))

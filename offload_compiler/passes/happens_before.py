@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..runtime.ops import RECORD_EVENT, SET_STREAM, WAIT_EVENT
+from ..ir.ops import RECORD_EVENT, SET_STREAM, WAIT_EVENT
 from .assign_streams import STREAM_KEY, GraphAccess
 
 __all__ = ["check_streams", "has_streams"]

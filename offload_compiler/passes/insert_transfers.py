@@ -31,8 +31,8 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph_pair import GraphPair, fake_mode_of, is_rng_state, tensor_vals
+from ..ir.ops import EVICT, EVICT_WAIT, FENCE, PREFETCH, PREFETCH_WAIT, TRANSFER_OPS
 from ..options import format_bytes
-from ..runtime.ops import EVICT, EVICT_WAIT, FENCE, PREFETCH, PREFETCH_WAIT, TRANSFER_OPS
 from .liveness import Liveness, fused_chain_end
 from .plan_window import Plan
 

@@ -37,9 +37,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..graph_pair import GraphPair, hint_int, is_rng_state, tensor_vals
-from ..runtime.ops import EVICT, PREFETCH
-from ..runtime.param_ops import PARAM_FETCH, PARAM_RELEASE
-from ..runtime.transfer import span_bytes
+from ..ir.alias import span_bytes
+from ..ir.ops import EVICT, PARAM_FETCH, PARAM_RELEASE, PREFETCH
 from .margins import WorkspaceMargins
 
 __all__ = [

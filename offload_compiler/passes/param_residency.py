@@ -56,7 +56,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_pair import GraphPair
-from ..runtime.param_ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT, PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE
+from ..ir.ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT, PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE
 from .cost_model import Costs
 from .liveness import Buffer, BufferKind, Liveness
 

@@ -24,8 +24,8 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph_pair import hint_int, tensor_vals
-from ..runtime.ops import TRANSFER_OPS
-from ..runtime.transfer import span_bytes
+from ..ir.alias import span_bytes
+from ..ir.ops import TRANSFER_OPS
 
 __all__ = ["hoist_frees"]
 

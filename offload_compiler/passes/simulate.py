@@ -475,8 +475,8 @@ def simulate_pair(pair, spec, assume_fusion: bool = False, pinned: bool = True) 
     ``param_release`` where it is. Compute times come from the cost model, live bytes from
     liveness, both on the rewritten graphs.
     """
-    from ..runtime.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
-    from ..runtime.transfer import span_bytes
+    from ..ir.alias import span_bytes
+    from ..ir.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
     from . import cost_model, liveness
 
     live = liveness.analyze(pair, assume_fusion=assume_fusion)
@@ -549,7 +549,7 @@ def simulate_pair(pair, spec, assume_fusion: bool = False, pinned: bool = True) 
 
 def _param_copy_tasks(nodes, index, costs, tasks: list, names: list) -> None:
     """Append the copies of the parameter ops among ``nodes`` (see :func:`simulate_pair`)."""
-    from ..runtime.param_ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT, PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE
+    from ..ir.ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT, PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE
 
     wait_of = {PARAM_FETCH: PARAM_FETCH_WAIT, GRAD_TO_HOST: GRAD_TO_HOST_WAIT}
     for i, n in enumerate(nodes):

@@ -28,8 +28,8 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph_pair import GraphPair, tensor_vals
+from ..ir.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
 from ..options import format_bytes
-from ..runtime.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
 from . import happens_before
 from . import liveness as liveness_pass
 from .margins import WorkspaceMargins

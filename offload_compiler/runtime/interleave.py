@@ -75,8 +75,8 @@ def run_interleaved(gm: fx.GraphModule, args: list, seed: int) -> Any:
         ValueError: when the number of arguments does not match the graph's placeholders.
         RuntimeError: when no node can run (a wait whose event is never recorded).
     """
+    from ..ir.ops import RECORD_EVENT, SET_STREAM, TRANSFER_OPS, WAIT_EVENT
     from ..passes.assign_streams import STREAM_KEY, GraphAccess
-    from .ops import RECORD_EVENT, SET_STREAM, TRANSFER_OPS, WAIT_EVENT
 
     rng = random.Random(seed)
     access = GraphAccess.of(gm.graph, ignore=())
