@@ -31,6 +31,8 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph_pair import GraphPair, fake_mode_of, is_rng_state, tensor_vals
+from ..ir.alias import is_view
+from ..ir.meta import NOTE_KEY
 from ..ir.ops import EVICT, EVICT_WAIT, FENCE, PREFETCH, PREFETCH_WAIT, TRANSFER_OPS
 from ..options import format_bytes
 from .liveness import Liveness, fused_chain_end
@@ -88,12 +90,6 @@ def _refresh_aliases(graph: fx.Graph, new_nodes, fake_mode) -> None:
             fresh.add(n)
 
 
-def _is_view_node(node: fx.Node) -> bool:
-    outs = {StorageWeakRef(t.untyped_storage()) for t in tensor_vals(node)}
-    ins = {StorageWeakRef(t.untyped_storage()) for m in node.all_input_nodes for t in tensor_vals(m)}
-    return bool(outs) and outs <= ins
-
-
 class _OrderingEdges:
     """Chooses the ``after`` node of an inserted op: the closest node before the insertion point
     that computes a fresh tensor in this graph and whose buffer the plan keeps alive across that
@@ -129,7 +125,7 @@ class _OrderingEdges:
                 and span is not None
                 and span[0] <= step <= span[1]
                 and isinstance(node.meta.get("val"), torch.Tensor)
-                and not _is_view_node(node)
+                and not is_view(node)
             ):
                 return node
             node = node.prev
@@ -245,7 +241,7 @@ def _insert_fences(fw_graph: fx.Graph, liveness: Liveness, plan: Plan, host_of: 
             with fw_graph.inserting_after(after):
                 fence = fw_graph.call_function(FENCE, (hosts, r))
             _set_val(fence, None)
-            fence.meta["trinity"] = f"reader of evicted buffer {ev.buffer} done before its wait"
+            fence.meta[NOTE_KEY] = f"reader of evicted buffer {ev.buffer} done before its wait"
             order = {n: i for i, n in enumerate(fw_graph.nodes)}
             count += 1
     return count
@@ -324,13 +320,13 @@ def apply(
                         cover = fw_graph.call_function(torch.ops.aten.as_strided.default, (src, *view_args))
                     with fake_mode:
                         _set_val(cover, torch.ops.aten.as_strided.default(src.meta["val"], *view_args))
-                    cover.meta["trinity"] = note
+                    cover.meta[NOTE_KEY] = note
                     cursor = src = cover
                 with fw_graph.inserting_after(cursor):
                     host = fw_graph.call_function(EVICT, (src, runtime_id))
                 with fake_mode:
                     _set_val(host, EVICT(src.meta["val"], runtime_id))
-                host.meta["trinity"] = f"evict {format_bytes(g.copy_bytes)} of buffer {ev.buffer} to host"
+                host.meta[NOTE_KEY] = f"evict {format_bytes(g.copy_bytes)} of buffer {ev.buffer} to host"
                 host_of[id(g)] = host
                 src_of[id(g)] = src
                 counts["evict"] += 1
@@ -341,7 +337,7 @@ def apply(
                 with fw_graph.inserting_after(cursor):
                     w = fw_graph.call_function(EVICT_WAIT, (host, src, runtime_id, after))
                 _set_val(w, None)
-                w.meta["trinity"] = f"D2H done; buffer {ev.buffer} freed after this"
+                w.meta[NOTE_KEY] = f"D2H done; buffer {ev.buffer} freed after this"
                 counts["evict_wait"] += 1
                 cursor = w
         last_at[anchor] = cursor
@@ -376,13 +372,13 @@ def apply(
                     else:
                         host_val = torch.empty_strided(old.size(), old.stride(), dtype=old.dtype, device="cpu")
                 _set_val(ph, host_val)
-                ph.meta["trinity"] = "host copy of a saved activation"
+                ph.meta[NOTE_KEY] = "host copy of a saved activation"
                 after = bw_edges.before(anchor.prev, step)
                 with bw_graph.inserting_before(anchor):
                     dev = bw_graph.call_function(PREFETCH, (ph, old.device, runtime_id, after))
                 with fake_mode:
                     _set_val(dev, PREFETCH(host_val, old.device, runtime_id, after.meta["val"] if after else None))
-                dev.meta["trinity"] = f"prefetch {format_bytes(g.copy_bytes)} of buffer {ev.buffer}"
+                dev.meta[NOTE_KEY] = f"prefetch {format_bytes(g.copy_bytes)} of buffer {ev.buffer}"
                 dev_of[id(g)] = dev
                 counts["prefetch"] += 1
                 if g.layout == "view":
@@ -398,7 +394,7 @@ def apply(
                 with bw_graph.inserting_before(anchor):
                     w = bw_graph.call_function(PREFETCH_WAIT, (dev, runtime_id, after))
                 _set_val(w, None)
-                w.meta["trinity"] = "H2D done"
+                w.meta[NOTE_KEY] = "H2D done"
                 counts["prefetch_wait"] += 1
                 if g.layout == "span":
                     # Rebuild each saved view from the prefetched span, after the wait.
@@ -410,7 +406,7 @@ def apply(
                             view = bw_graph.call_function(torch.ops.aten.as_strided.default, args)
                         with fake_mode:
                             _set_val(view, torch.ops.aten.as_strided.default(dev.meta["val"], *args[1:]))
-                        view.meta["trinity"] = f"saved view {st.fw_node} rebuilt from the prefetched span"
+                        view.meta[NOTE_KEY] = f"saved view {st.fw_node} rebuilt from the prefetched span"
                         other.replace_all_uses_with(view, delete_user_cb=lambda user: user.target is not PREFETCH)
                         rebuilt.append(view)
     # Placeholders of a group other than the one prefetched are unused now; give them the same

@@ -34,10 +34,9 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..graph_pair import GraphPair, hint_int, is_rng_state, tensor_vals
-from ..ir.alias import span_bytes
+from ..ir.alias import plain_tensors, schema_view_of, span_bytes, tensor_span_bytes
 from ..ir.ops import EVICT, PARAM_FETCH, PARAM_RELEASE, PREFETCH
 from .margins import WorkspaceMargins
 
@@ -347,7 +346,7 @@ def _workspace(node: fx.Node) -> int:
         t = arg.meta.get("val") if isinstance(arg, fx.Node) else None
     if not isinstance(t, torch.Tensor):
         return 0
-    nbytes = span_bytes(tuple(hint_int(x) for x in t.shape), tuple(hint_int(x) for x in t.stride()), t.element_size())
+    nbytes = tensor_span_bytes(t)
     return int(factor * nbytes)
 
 
@@ -364,11 +363,6 @@ def _view_exprs(t: torch.Tensor) -> tuple:
         return v.node.expr if isinstance(v, torch.SymInt) else int(v)
 
     return (tuple(ex(v) for v in t.shape), tuple(ex(v) for v in t.stride()), ex(t.storage_offset()), t.dtype)
-
-
-def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors liveness can account: plain, strided (not subclasses, not sparse)."""
-    return [t for t in tensors if not is_traceable_wrapper_subclass(t) and t.layout == torch.strided]
 
 
 def _alias_reader_steps(root: fx.Node, node_keys: dict, node_step: dict, reader_step) -> tuple[int, int] | None:
@@ -391,24 +385,6 @@ def _alias_reader_steps(root: fx.Node, node_keys: dict, node_step: dict, reader_
                 seen.add(user)
                 frontier.append(user)
     return None if first is None else (first, last)
-
-
-def _schema_view_of(node: fx.Node, index: int) -> fx.Node | None:
-    """The input node whose storage output ``index`` of ``node`` shares according to the op's
-    schema (``Tensor(a) self -> Tensor(a)``, a read-only alias), or ``None``."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return None
-    schema = node.target._schema
-    rets = schema.returns
-    if not rets:
-        return None
-    ret = rets[0] if len(rets) == 1 else (rets[index] if index < len(rets) else None)
-    if ret is None or ret.alias_info is None or ret.alias_info.is_write:
-        return None
-    for arg, value in zip(schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.before_set & ret.alias_info.before_set:
-            return value if isinstance(value, fx.Node) else None
-    return None
 
 
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d"})
@@ -503,15 +479,15 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
             input_keys: dict = {}
             if n.op != "placeholder":
                 for m in n.all_input_nodes:
-                    for t, k in zip(_plain(tensor_vals(m)), node_keys.get(m, ())):
+                    for t, k in zip(plain_tensors(tensor_vals(m)), node_keys.get(m, ())):
                         input_keys.setdefault(StorageWeakRef(t.untyped_storage()), k)
-            for i, t in enumerate(_plain(tensor_vals(n))):
+            for i, t in enumerate(plain_tensors(tensor_vals(n))):
                 st = StorageWeakRef(t.untyped_storage())
                 if n.op == "placeholder":
                     k = ("placeholder", graph_name, st)
                 elif st in input_keys:
                     k = input_keys[st]
-                elif (src := _schema_view_of(n, i)) is not None and len(node_keys.get(src, ())) == 1:
+                elif (src := schema_view_of(n, i)) is not None and len(node_keys.get(src, ())) == 1:
                     # A view op whose fake value came from the other graph (a recomputed node):
                     # its schema still says whose storage it shares.
                     k = node_keys[src][0]

@@ -41,7 +41,7 @@ inserts ``trinity::param_fetch`` / ``param_fetch_wait`` / ``param_release`` / ``
 offloaded gradients in the backward's output by ``None``. It reads ``node.meta["val"]`` only
 through the liveness analysis and writes ``node.meta["trinity"]`` (a human-readable
 description), ``node.meta["val"] = None`` and, on the nodes that issue a copy,
-``node.meta["trinity_param_copy"] = (direction, bytes)`` (read by the dump's timeline
+``node.meta[PARAM_COPY_KEY] = (direction, bytes)`` (read by the dump's timeline
 simulation) on the nodes it inserts.
 """
 
@@ -56,6 +56,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_pair import GraphPair
+from ..ir.meta import NOTE_KEY, PARAM_COPY_KEY
 from ..ir.ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT, PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE
 from .cost_model import Costs
 from .liveness import Buffer, BufferKind, Liveness
@@ -425,10 +426,10 @@ def apply(
         ctx = graph.inserting_before(where) if before else graph.inserting_after(where)
         with ctx:
             n = graph.call_function(op, args)
-        n.meta["trinity"] = note
+        n.meta[NOTE_KEY] = note
         n.meta["val"] = None  # returns nothing (later analyses, e.g. the dump's simulation, read it)
         if copy is not None:
-            n.meta["trinity_param_copy"] = copy
+            n.meta[PARAM_COPY_KEY] = copy
         return n
 
     for p in the_plan.params:

@@ -469,13 +469,13 @@ def simulate_pair(pair, spec, assume_fusion: bool = False, pinned: bool = True) 
     Copies are read from the graphs by op target: each ``trinity::evict`` issues a D2H copy of its
     tensor's bytes, waited for at its ``evict_wait``; each ``trinity::prefetch`` an H2D copy,
     waited for at its ``prefetch_wait``. With parameter offload (one compute stream), the
-    parameter ops that copy (``node.meta["trinity_param_copy"]``, set by
+    parameter ops that copy (``node.meta[PARAM_COPY_KEY]``, set by
     ``param_residency.apply``) too: a ``param_fetch`` waited for at the next ``param_fetch_wait``
     of its slot, a ``grad_to_host`` at the next ``grad_to_host_wait`` of its slot, a write-back
     ``param_release`` where it is. Compute times come from the cost model, live bytes from
     liveness, both on the rewritten graphs.
     """
-    from ..ir.alias import span_bytes
+    from ..ir.alias import tensor_span_bytes
     from ..ir.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
     from . import cost_model, liveness
 
@@ -491,11 +491,7 @@ def simulate_pair(pair, spec, assume_fusion: bool = False, pinned: bool = True) 
         wait_target = EVICT_WAIT if n.target is EVICT else PREFETCH_WAIT
         waits = [u for u in n.users if u.op == "call_function" and u.target is wait_target and u.args[0] is n]
         val = n.meta["val"]
-        from ..graph_pair import hint_int
-
-        nbytes = span_bytes(
-            tuple(hint_int(s) for s in val.shape), tuple(hint_int(s) for s in val.stride()), val.element_size()
-        )
+        nbytes = tensor_span_bytes(val)
         direction = "d2h" if n.target is EVICT else "h2d"
         wait_pos = index[waits[0]] if waits else len(nodes)
         tasks.append(CopyTask(len(tasks), direction, costs.transfer_seconds(nbytes, direction), index[n], wait_pos))
@@ -549,11 +545,12 @@ def simulate_pair(pair, spec, assume_fusion: bool = False, pinned: bool = True) 
 
 def _param_copy_tasks(nodes, index, costs, tasks: list, names: list) -> None:
     """Append the copies of the parameter ops among ``nodes`` (see :func:`simulate_pair`)."""
+    from ..ir.meta import PARAM_COPY_KEY
     from ..ir.ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT, PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE
 
     wait_of = {PARAM_FETCH: PARAM_FETCH_WAIT, GRAD_TO_HOST: GRAD_TO_HOST_WAIT}
     for i, n in enumerate(nodes):
-        copy = n.meta.get("trinity_param_copy") if n.op == "call_function" else None
+        copy = n.meta.get(PARAM_COPY_KEY) if n.op == "call_function" else None
         if copy is None or n.target not in (PARAM_FETCH, GRAD_TO_HOST, PARAM_RELEASE):
             continue
         direction, nbytes = copy

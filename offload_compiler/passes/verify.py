@@ -25,9 +25,9 @@ from __future__ import annotations
 import operator
 
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph_pair import GraphPair, tensor_vals
+from ..ir.alias import node_storages
 from ..ir.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
 from ..options import format_bytes
 from . import happens_before
@@ -42,7 +42,7 @@ class VerificationError(RuntimeError):
 
 
 def _storages(node: fx.Node) -> set:
-    return {StorageWeakRef(t.untyped_storage()) for t in tensor_vals(node)}
+    return set(node_storages(node))
 
 
 def _check_forward(fw: fx.GraphModule, fw_outputs: list) -> list[str]:

@@ -134,9 +134,9 @@ def run_interleaved(gm: fx.GraphModule, args: list, seed: int) -> Any:
     # The nodes whose values live on each buffer: once every buffer a value lives on is freed
     # and poisoned, the executor drops the value too (the allocator would reuse that memory), so
     # its memory use follows the graph's frees; a later read of it gets a poisoned stand-in.
-    from ..passes.assign_streams import _storages
+    from ..ir.alias import node_storages
 
-    own = {n: set(_storages(n)) for n in nodes if n.op == "call_function" and n not in access.views}
+    own = {n: set(node_storages(n)) for n in nodes if n.op == "call_function" and n not in access.views}
     values_on: dict = {}
     for n, keys in own.items():
         for k in keys:
