@@ -51,11 +51,11 @@ from .passes import (
     insert_recompute,
     insert_transfers,
     liveness,
+    pair_timeline,
     param_residency,
     plan_recompute,
     plan_window,
     reorder,
-    simulate,
     size_guard,
     verify,
 )
@@ -328,7 +328,7 @@ def plan_pair(
         analysis: :func:`analyze_pair` of this very pair (to plan several budgets on one
             analysis); computed when ``None``.
         margins: per-op workspace measured by the runtime check of the first steps
-            (:mod:`.runtime.step_check`): liveness counts it, and the budget is the one the
+            (:mod:`.step_check`): liveness counts it, and the budget is the one the
             first plan resolved (``margins.budget_bytes``).
 
     Without parameter offload the joint planner (:func:`~.passes.plan_recompute.plan_joint`)
@@ -666,7 +666,7 @@ class CompileSession:
         # offload="activations+params"/"all": forward input position -> ParamSlot (set by the backend)
         self.param_slots: dict = {}
         self.residency_plans: list = []
-        # Set by the runtime check of the first steps (runtime/step_check.py) when it replans:
+        # Set by the runtime check of the first steps (step_check.py) when it replans:
         # the measured workspace, an input of plan_pair; and what it reads back after the rewrite.
         self.margins: WorkspaceMargins | None = None
         self.planned_steps = None
@@ -806,7 +806,7 @@ class CompileSession:
         ctx = RewriteContext(pair, self, step_nodes, dumper, seconds)
         the_plan = run_rewrites(ctx, the_plan)
         if opts.runtime_check != "off" and opts.fault_injection is None:
-            from .runtime.step_check import PlannedSteps
+            from .step_check import PlannedSteps
 
             try:
                 self.planned_steps = PlannedSteps.of(pair, opts.inner == "inductor", self.margins)
@@ -817,7 +817,7 @@ class CompileSession:
             after = plan_window.planned_live_bytes(view, act.evictions)
             dumper.memory_plot(view.live_bytes(), after, the_plan.budget_bytes, view.num_fw_steps)
             t0 = time.perf_counter()
-            timeline = simulate.simulate_pair(
+            timeline = pair_timeline.simulate_pair(
                 pair, the_plan.costs.device, assume_fusion=opts.inner == "inductor", pinned=the_plan.costs.pinned
             )
             dumper.json("timeline.json", timeline.chrome_trace())

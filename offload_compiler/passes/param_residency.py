@@ -41,7 +41,7 @@ inserts ``trinity::param_fetch`` / ``param_fetch_wait`` / ``param_release`` / ``
 offloaded gradients in the backward's output by ``None``. It reads ``node.meta["val"]`` only
 through the liveness analysis and writes ``node.meta["trinity"]`` (a human-readable
 description), ``node.meta["val"] = None`` and, on the nodes that issue a copy,
-``node.meta[PARAM_COPY_KEY] = (direction, bytes)`` (read by the dump's timeline
+``node.meta["trinity_param_copy"] = (direction, bytes)`` (read by the dump's timeline
 simulation) on the nodes it inserts.
 """
 
