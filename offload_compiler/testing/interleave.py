@@ -1,4 +1,4 @@
-"""A CPU fault-finding executor for multi-stream graphs (a test tool).
+"""A CPU fault-finding executor for multi-stream graphs (a test tool, not the product runtime).
 
 :func:`run_interleaved` executes a stream-annotated FX graph (``node.meta["trinity_stream"]``,
 ``trinity::record_event`` / ``wait_event`` nodes, as ``passes/assign_streams.py`` writes them) by
@@ -75,8 +75,9 @@ def run_interleaved(gm: fx.GraphModule, args: list, seed: int) -> Any:
         ValueError: when the number of arguments does not match the graph's placeholders.
         RuntimeError: when no node can run (a wait whose event is never recorded).
     """
+    from ..ir.meta import STREAM_KEY
     from ..ir.ops import RECORD_EVENT, SET_STREAM, TRANSFER_OPS, WAIT_EVENT
-    from ..passes.assign_streams import STREAM_KEY, GraphAccess
+    from ..passes.storage_access import GraphAccess
 
     rng = random.Random(seed)
     access = GraphAccess.of(gm.graph, ignore=())
