@@ -563,7 +563,7 @@ def _verify(ctx: RewriteContext, plan: PairPlan) -> PairPlan:
     (every mode; the budget of an infeasible plan that runs anyway is not checked)."""
     opts = ctx.session.options
     if plan.residency is not None:
-        errors = param_residency.check(ctx.pair, plan.residency)
+        errors = verify.check_residency(ctx.pair, plan.residency)
         if errors:
             raise verify.VerificationError(
                 "trinity verification of parameter residency failed:\n  - " + "\n  - ".join(errors)
