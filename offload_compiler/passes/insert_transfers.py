@@ -269,16 +269,25 @@ def apply(
     """
     fw_nodes = list(pair.forward.graph.nodes)
     bw_nodes = list(pair.backward.graph.nodes)
-    F = len(fw_nodes)
-    if F + len(bw_nodes) != liveness.num_steps:
+    if len(fw_nodes) + len(bw_nodes) != liveness.num_steps:
         raise ValueError("insert_transfers: the graphs do not match the liveness the plan was made on")
     fake_mode = fake_mode_of(pair.forward, pair.backward)
-    fw_out = pair.fw_output_node()
-    outputs = list(pair.fw_outputs())
-    bw_placeholders = {n.name: n for n in pair.backward.graph.find_nodes(op="placeholder")}
+    fw_after, bw_before = _gaps(plan)
+    counts = {"evict": 0, "evict_wait": 0, "prefetch": 0, "prefetch_wait": 0}
+    host_of = _insert_evictions(pair, liveness, plan, fw_nodes, fw_after, runtime_id, fake_mode, counts)
+    if fence_readers:
+        counts["fence"] = _insert_fences(pair.forward.graph, liveness, plan, host_of)
+    _insert_prefetches(pair, liveness, plan, len(fw_nodes), bw_nodes, bw_before, runtime_id, fake_mode, counts)
+    for gm in (pair.forward, pair.backward):
+        gm.graph.lint()
+        gm.recompile()
+    return counts
 
-    # Collect the insertions per gap so issues precede waits at each gap.
-    fw_after: dict[int, list] = {}  # step -> [("issue"|"wait", payload)]
+
+def _gaps(plan: Plan) -> tuple[dict[int, list], dict[int, list]]:
+    """The insertions per gap, ``step -> [("issue" | "wait", eviction, group)]``: after forward
+    steps and before backward steps (so that issues can precede waits at each gap)."""
+    fw_after: dict[int, list] = {}
     bw_before: dict[int, list] = {}
     for ev in plan.evictions:
         for g in ev.groups:
@@ -286,13 +295,31 @@ def apply(
             fw_after.setdefault(ev.wait_after, []).append(("wait", ev, g))
             bw_before.setdefault(ev.prefetch_before, []).append(("issue", ev, g))
             bw_before.setdefault(g.wait_before, []).append(("wait", ev, g))
+    return fw_after, bw_before
 
-    counts = {"evict": 0, "evict_wait": 0, "prefetch": 0, "prefetch_wait": 0}
-    fw_edges = _OrderingEdges(liveness, plan, "forward", pair.forward.graph)
-    bw_edges = _OrderingEdges(liveness, plan, "backward", pair.backward.graph)
+
+def _insert_evictions(
+    pair: GraphPair,
+    liveness: Liveness,
+    plan: Plan,
+    fw_nodes: list[fx.Node],
+    fw_after: dict[int, list],
+    runtime_id: int,
+    fake_mode,
+    counts: dict[str, int],
+) -> dict[int, fx.Node]:
+    """The forward's ``evict`` (with the view it copies, where that is not a holder's own) and
+    ``evict_wait`` nodes; the forward then returns the host tensors in place of the saved ones,
+    and the saved-only views they replaced are removed. Returns ``id(group) -> host node``.
+
+    Raises:
+        ValueError: for a forward step that is not a node before the output.
+    """
+    F = len(fw_nodes)
+    fw_graph = pair.forward.graph
+    fw_edges = _OrderingEdges(liveness, plan, "forward", fw_graph)
     host_of: dict[int, fx.Node] = {}  # id(group) -> host node in the forward
     src_of: dict[int, fx.Node] = {}
-    fw_graph = pair.forward.graph
     last_at: dict[fx.Node, fx.Node] = {}  # anchor -> the last node inserted after it
     for step in sorted(fw_after):
         if not (0 <= step < F - 1):
@@ -341,6 +368,8 @@ def apply(
                 counts["evict_wait"] += 1
                 cursor = w
         last_at[anchor] = cursor
+    fw_out = pair.fw_output_node()
+    outputs = list(pair.fw_outputs())
     for ev in plan.evictions:
         for g in ev.groups:
             for i in g.saved:
@@ -349,10 +378,30 @@ def apply(
     # Saved views the host copies replaced (e.g. a late ``detach`` of an evicted activation) are
     # dead now; left in, they would read the evicted storage after it was freed.
     fw_graph.eliminate_dead_code()
-    if fence_readers:
-        counts["fence"] = _insert_fences(fw_graph, liveness, plan, host_of)
+    return host_of
 
+
+def _insert_prefetches(
+    pair: GraphPair,
+    liveness: Liveness,
+    plan: Plan,
+    F: int,
+    bw_nodes: list[fx.Node],
+    bw_before: dict[int, list],
+    runtime_id: int,
+    fake_mode,
+    counts: dict[str, int],
+) -> None:
+    """The backward's ``prefetch`` and ``prefetch_wait`` nodes: the saved placeholders become
+    host tensors, their readers read the prefetched tensor (or, for a span, the views rebuilt from
+    it after the wait).
+
+    Raises:
+        ValueError: for a backward step that is not a compute node.
+    """
     bw_graph = pair.backward.graph
+    bw_placeholders = {n.name: n for n in bw_graph.find_nodes(op="placeholder")}
+    bw_edges = _OrderingEdges(liveness, plan, "backward", bw_graph)
     dev_of: dict[int, fx.Node] = {}
     rebuilt: list[fx.Node] = []
     for step in sorted(bw_before):
@@ -397,18 +446,7 @@ def apply(
                 w.meta[NOTE_KEY] = "H2D done"
                 counts["prefetch_wait"] += 1
                 if g.layout == "span":
-                    # Rebuild each saved view from the prefetched span, after the wait.
-                    for i in g.saved:
-                        st = liveness.saved[i]
-                        other = bw_placeholders[st.bw_node]
-                        args = (dev, list(st.shape), list(st.stride), st.storage_offset - g.span_offset)
-                        with bw_graph.inserting_before(anchor):
-                            view = bw_graph.call_function(torch.ops.aten.as_strided.default, args)
-                        with fake_mode:
-                            _set_val(view, torch.ops.aten.as_strided.default(dev.meta["val"], *args[1:]))
-                        view.meta[NOTE_KEY] = f"saved view {st.fw_node} rebuilt from the prefetched span"
-                        other.replace_all_uses_with(view, delete_user_cb=lambda user: user.target is not PREFETCH)
-                        rebuilt.append(view)
+                    rebuilt += _rebuild_span_views(bw_graph, liveness, g, dev, anchor, bw_placeholders, fake_mode)
     # Placeholders of a group other than the one prefetched are unused now; give them the same
     # host value so the graph's input signature stays consistent.
     for ev in plan.evictions:
@@ -417,7 +455,23 @@ def apply(
             for i in g.saved[1:]:
                 _set_val(bw_placeholders[liveness.saved[i].bw_node], host_val)
     _refresh_aliases(bw_graph, list(dev_of.values()) + rebuilt, fake_mode)
-    for gm in (pair.forward, pair.backward):
-        gm.graph.lint()
-        gm.recompile()
-    return counts
+
+
+def _rebuild_span_views(
+    bw_graph: fx.Graph, liveness: Liveness, g, dev: fx.Node, anchor: fx.Node, bw_placeholders: dict, fake_mode
+) -> list[fx.Node]:
+    """Each saved view of span group ``g``, rebuilt from the prefetched span ``dev`` before
+    ``anchor`` (after the wait); their readers read the rebuilt views. Returns the views."""
+    views = []
+    for i in g.saved:
+        st = liveness.saved[i]
+        other = bw_placeholders[st.bw_node]
+        args = (dev, list(st.shape), list(st.stride), st.storage_offset - g.span_offset)
+        with bw_graph.inserting_before(anchor):
+            view = bw_graph.call_function(torch.ops.aten.as_strided.default, args)
+        with fake_mode:
+            _set_val(view, torch.ops.aten.as_strided.default(dev.meta["val"], *args[1:]))
+        view.meta[NOTE_KEY] = f"saved view {st.fw_node} rebuilt from the prefetched span"
+        other.replace_all_uses_with(view, delete_user_cb=lambda user: user.target is not PREFETCH)
+        views.append(view)
+    return views
