@@ -197,7 +197,7 @@ def _is_multi_output(node: fx.Node) -> bool:
 
 
 def _insert_fences(fw_graph: fx.Graph, liveness: Liveness, plan: Plan, host_of: dict) -> int:
-    """Put a ``trinity::fence`` after every forward reader of an evicted buffer (see ops.py), so
+    """Put a ``trinity::fence`` after every forward reader of an evicted buffer (see ``ir/ops.py``), so
     Inductor orders it before the buffer's waits. A reader fused into its only reader is fenced
     where the fused chain ends (fencing it directly would make Inductor materialise it).
 

@@ -215,6 +215,9 @@ def verify(
     return peak
 
 
+_RELEASED, _FETCHING, _RESIDENT = "released", "fetching", "resident"
+
+
 def check_residency(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:
     """Invariants of a pair rewritten by :func:`.param_residency.apply` with ``the_plan``.
     Returns the violations (empty when none):
@@ -233,7 +236,7 @@ def check_residency(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:
     released with ``"all"``; the backward starts with whatever the forward left. Nodes are
     matched by op target.
     """
-    RELEASED, FETCHING, RESIDENT = "released", "fetching", "resident"
+    RELEASED, RESIDENT = _RELEASED, _RESIDENT
     errors: list[str] = []
     by_slot = {p.slot: p for p in the_plan.params}
     state = {p.slot: RESIDENT if the_plan.mode == "activations+params" else RELEASED for p in the_plan.params}
@@ -241,103 +244,111 @@ def check_residency(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:
     def name_of(slot) -> str:
         return by_slot[slot].placeholder if slot in by_slot else f"slot {slot}"
 
+    for graph_name, gm in (("forward", pair.forward), ("backward", pair.backward)):
+        errors += _residency_errors(graph_name, gm, state, name_of)
+    return errors
+
+
+def _residency_errors(graph_name: str, gm: fx.GraphModule, state: dict, name_of) -> list[str]:
+    """The residency violations in one graph (see :func:`check_residency`), walking it in order
+    from ``state`` (slot -> released, fetching or resident; updated to the graph's end)."""
+    RELEASED, FETCHING, RESIDENT = _RELEASED, _FETCHING, _RESIDENT
+    errors: list[str] = []
+
     def storage_of(node):
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         return storage_key(val) if isinstance(val, torch.Tensor) else None
 
-    for graph_name, gm in (("forward", pair.forward), ("backward", pair.backward)):
-        storage_slot: dict = {}
-        for n in gm.graph.nodes:
-            if n.op == "call_function" and n.target in (PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE):
-                st = storage_of(n.args[0])
-                if st is not None:
-                    storage_slot[st] = n.args[1]
-        fetch_of: dict = {}  # slot -> the fetch node waiting for its wait
-        grad_issue: dict = {}  # slot -> the grad_to_host node waiting for its wait
-        for n in gm.graph.nodes:
-            if n.op == "call_function" and n.target is PARAM_FETCH:
-                slot = n.args[1]
-                if state.get(slot) == FETCHING:
-                    errors.append(
-                        f"{graph_name}: {n.name} fetches parameter {name_of(slot)} again before the wait of "
-                        f"{fetch_of[slot].name}"
-                    )
-                state[slot] = FETCHING
-                fetch_of[slot] = n
+    storage_slot: dict = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in (PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE):
+            st = storage_of(n.args[0])
+            if st is not None:
+                storage_slot[st] = n.args[1]
+    fetch_of: dict = {}  # slot -> the fetch node waiting for its wait
+    grad_issue: dict = {}  # slot -> the grad_to_host node waiting for its wait
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is PARAM_FETCH:
+            slot = n.args[1]
+            if state.get(slot) == FETCHING:
+                errors.append(
+                    f"{graph_name}: {n.name} fetches parameter {name_of(slot)} again before the wait of "
+                    f"{fetch_of[slot].name}"
+                )
+            state[slot] = FETCHING
+            fetch_of[slot] = n
+            continue
+        if n.op == "call_function" and n.target is PARAM_FETCH_WAIT:
+            slot = n.args[1]
+            if state.get(slot) != FETCHING:
+                # The state stays as it was (a released parameter's readers are reported).
+                errors.append(f"{graph_name}: {n.name} waits for a fetch of {name_of(slot)} that was not issued")
                 continue
-            if n.op == "call_function" and n.target is PARAM_FETCH_WAIT:
-                slot = n.args[1]
-                if state.get(slot) != FETCHING:
-                    # The state stays as it was (a released parameter's readers are reported).
-                    errors.append(f"{graph_name}: {n.name} waits for a fetch of {name_of(slot)} that was not issued")
-                    continue
-                if storage_of(n.args[0]) != storage_of(fetch_of[slot].args[0]):
-                    errors.append(
-                        f"{graph_name}: {n.name} waits on another storage than its fetch {fetch_of[slot].name}"
-                    )
-                state[slot] = RESIDENT
-                fetch_of.pop(slot)
+            if storage_of(n.args[0]) != storage_of(fetch_of[slot].args[0]):
+                errors.append(f"{graph_name}: {n.name} waits on another storage than its fetch {fetch_of[slot].name}")
+            state[slot] = RESIDENT
+            fetch_of.pop(slot)
+            continue
+        if n.op == "call_function" and n.target is PARAM_RELEASE:
+            slot = n.args[1]
+            if state.get(slot) == FETCHING:
+                errors.append(
+                    f"{graph_name}: {n.name} releases parameter {name_of(slot)} before the wait of its fetch "
+                    f"{fetch_of[slot].name}"
+                )
+                fetch_of.pop(slot, None)
+            elif state.get(slot) != RESIDENT:
+                errors.append(f"{graph_name}: {n.name} releases slot {slot} that is not resident")
+            state[slot] = RELEASED
+            continue
+        if n.op == "call_function" and n.target is GRAD_TO_HOST:
+            slot = n.args[1]
+            if slot in grad_issue:
+                errors.append(
+                    f"{graph_name}: {n.name} sends the gradient of {name_of(slot)} to host again before the "
+                    f"wait of {grad_issue[slot].name}"
+                )
+            grad_issue[slot] = n
+            continue
+        if n.op == "call_function" and n.target is GRAD_TO_HOST_WAIT:
+            slot = n.args[1]
+            issue = grad_issue.pop(slot, None)
+            if issue is None:
+                errors.append(
+                    f"{graph_name}: {n.name} waits for a gradient copy of {name_of(slot)} that was not issued"
+                )
+            elif n.args[0] is not issue.args[0]:
+                errors.append(
+                    f"{graph_name}: {n.name} keeps {n.args[0]} alive, not the gradient {issue.args[0]} that "
+                    f"{issue.name} copies"
+                )
+            continue
+        if n.op in ("placeholder", "output"):
+            continue
+        for m in n.all_input_nodes:
+            st = storage_of(m)
+            slot = storage_slot.get(st) if st is not None else None
+            if slot is None or state.get(slot) == RESIDENT or _size_query(n):
                 continue
-            if n.op == "call_function" and n.target is PARAM_RELEASE:
-                slot = n.args[1]
-                if state.get(slot) == FETCHING:
-                    errors.append(
-                        f"{graph_name}: {n.name} releases parameter {name_of(slot)} before the wait of its fetch "
-                        f"{fetch_of[slot].name}"
-                    )
-                    fetch_of.pop(slot, None)
-                elif state.get(slot) != RESIDENT:
-                    errors.append(f"{graph_name}: {n.name} releases slot {slot} that is not resident")
-                state[slot] = RELEASED
-                continue
-            if n.op == "call_function" and n.target is GRAD_TO_HOST:
-                slot = n.args[1]
-                if slot in grad_issue:
-                    errors.append(
-                        f"{graph_name}: {n.name} sends the gradient of {name_of(slot)} to host again before the "
-                        f"wait of {grad_issue[slot].name}"
-                    )
-                grad_issue[slot] = n
-                continue
-            if n.op == "call_function" and n.target is GRAD_TO_HOST_WAIT:
-                slot = n.args[1]
-                issue = grad_issue.pop(slot, None)
-                if issue is None:
-                    errors.append(
-                        f"{graph_name}: {n.name} waits for a gradient copy of {name_of(slot)} that was not issued"
-                    )
-                elif n.args[0] is not issue.args[0]:
-                    errors.append(
-                        f"{graph_name}: {n.name} keeps {n.args[0]} alive, not the gradient {issue.args[0]} that "
-                        f"{issue.name} copies"
-                    )
-                continue
-            if n.op in ("placeholder", "output"):
-                continue
-            for m in n.all_input_nodes:
-                st = storage_of(m)
-                slot = storage_slot.get(st) if st is not None else None
-                if slot is None or state.get(slot) == RESIDENT or _size_query(n):
-                    continue
-                if state.get(slot) == FETCHING:
-                    errors.append(
-                        f"{graph_name}: {n.name} reads parameter {name_of(slot)} (via {m.name}) before the wait of "
-                        f"its fetch {fetch_of[slot].name}"
-                    )
-                elif _metadata_only(n):
-                    errors.append(
-                        f"{graph_name}: view {n.name} of parameter {name_of(slot)} (via {m.name}) is made while it is "
-                        "released"
-                    )
-                else:
-                    errors.append(
-                        f"{graph_name}: {n.name} reads parameter {name_of(slot)} (via {m.name}) while it is released"
-                    )
-        for slot, f in fetch_of.items():
-            errors.append(f"{graph_name}: fetch {f.name} of parameter {name_of(slot)} has no param_fetch_wait")
-            state[slot] = RESIDENT  # do not report every later reader again
-        for slot, g in grad_issue.items():
-            errors.append(f"{graph_name}: {g.name} (gradient of {name_of(slot)} to host) has no grad_to_host_wait")
+            if state.get(slot) == FETCHING:
+                errors.append(
+                    f"{graph_name}: {n.name} reads parameter {name_of(slot)} (via {m.name}) before the wait of "
+                    f"its fetch {fetch_of[slot].name}"
+                )
+            elif _metadata_only(n):
+                errors.append(
+                    f"{graph_name}: view {n.name} of parameter {name_of(slot)} (via {m.name}) is made while it is "
+                    "released"
+                )
+            else:
+                errors.append(
+                    f"{graph_name}: {n.name} reads parameter {name_of(slot)} (via {m.name}) while it is released"
+                )
+    for slot, f in fetch_of.items():
+        errors.append(f"{graph_name}: fetch {f.name} of parameter {name_of(slot)} has no param_fetch_wait")
+        state[slot] = RESIDENT  # do not report every later reader again
+    for slot, g in grad_issue.items():
+        errors.append(f"{graph_name}: {g.name} (gradient of {name_of(slot)} to host) has no grad_to_host_wait")
     return errors
 
 
