@@ -35,7 +35,7 @@ from ..ir.alias import is_view
 from ..ir.meta import NOTE_KEY
 from ..ir.ops import EVICT, EVICT_WAIT, FENCE, PREFETCH, PREFETCH_WAIT, TRANSFER_OPS
 from ..options import format_bytes
-from .liveness import Liveness, fused_chain_end
+from .liveness import Buffer, Liveness, fused_chain_end
 from .plan_window import Plan
 
 __all__ = ["apply"]
@@ -90,6 +90,18 @@ def _refresh_aliases(graph: fx.Graph, new_nodes, fake_mode) -> None:
             fresh.add(n)
 
 
+def _holders(buf: Buffer, graph_name: str, by_name: dict[str, fx.Node]) -> list[fx.Node]:
+    """The nodes of one graph (``by_name``: its nodes by name) that hold ``buf``, in liveness's
+    order; holders no longer in the graph (removed as dead) are left out. Liveness names holders
+    ``"forward:name"`` / ``"backward:name"`` (:attr:`.liveness.Buffer.nodes`)."""
+    out = []
+    for holder in buf.nodes:
+        tag, _, name = holder.partition(":")
+        if tag == graph_name and name in by_name:
+            out.append(by_name[name])
+    return out
+
+
 class _OrderingEdges:
     """Chooses the ``after`` node of an inserted op: the closest node before the insertion point
     that computes a fresh tensor in this graph and whose buffer the plan keeps alive across that
@@ -104,13 +116,10 @@ class _OrderingEdges:
         self.fused: set[fx.Node] = set()
         for b in liveness.buffers:
             end = min(b.last_step, evicted_until.get(b.id, b.last_step))
-            for holder in b.nodes:
-                tag, _, name = holder.partition(":")
-                if tag == graph_name and name in by_name:
-                    node = by_name[name]
-                    self.alive[node] = (b.def_step, end)
-                    if b.fused:
-                        self.fused.add(node)
+            for node in _holders(b, graph_name, by_name):
+                self.alive[node] = (b.def_step, end)
+                if b.fused:
+                    self.fused.add(node)
 
     def before(self, node: fx.Node, step: int) -> fx.Node | None:
         """The edge for an op placed after ``node`` and alive-checked at joint step ``step``."""
@@ -212,11 +221,7 @@ def _insert_fences(fw_graph: fx.Graph, liveness: Liveness, plan: Plan, host_of: 
     for ev in plan.evictions:
         buf = liveness.buffers[ev.buffer]
         # Holders removed as dead (saved-only views the host copy replaced) are skipped.
-        aliases = {
-            by_name[name]
-            for tag, _, name in (x.partition(":") for x in buf.nodes)
-            if tag == "forward" and name in by_name
-        }
+        aliases = set(_holders(buf, "forward", by_name))
         hosts = [host_of[id(g)] for g in ev.groups]
         skip = set(hosts) | aliases
         readers = []
