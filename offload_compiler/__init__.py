@@ -10,6 +10,7 @@ this package gives the reports and the tools::
     offload_compiler.measure_peak_device_bytes(step)   # peak device bytes, with or without a GPU
     offload_compiler.CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=...)  # offload="all"
     with offload_compiler.materialized(model.parameters()): ...  # real parameters between steps
+    offload_compiler.step_report(model)     # the training step's budget, predicted peak, pairs
 """
 
 from .options import MemoryBudget, TrinityOptions, format_bytes, parse_size
@@ -20,6 +21,7 @@ from .runtime import param_ops as _param_kernels  # noqa: F401  (registers the t
 from .runtime.accounting import MemoryMeasurement, measure_peak_device_bytes
 from .runtime.cpu_optim import CPUOptimizer
 from .runtime.model_state import install_state_dict_hooks, materialized
+from .step_budget import StepReport, step_report
 
 __version__ = "0.1.0"
 
@@ -36,6 +38,8 @@ __all__ = [
     "measure_peak_device_bytes",
     "parse_size",
     "reports",
+    "StepReport",
+    "step_report",
     "__version__",
 ]
 

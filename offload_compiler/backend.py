@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -153,12 +154,12 @@ def _with_runtime_check(compiled, gm, example_inputs, options, mode):
 
         def recompile(margins):
             with torch._guards.tracing(ctx) if ctx is not None else contextlib.nullcontext():
-                return _compile(gm, fakes, options, mode, {}, margins=margins)
+                return _compile(gm, fakes, options, mode, {}, margins=margins, step=session.step)
 
     return CheckedCompile(compiled, session, recompile, session.options.runtime_check)
 
 
-def _compile(gm, example_inputs, options, mode, unexpected, margins=None):
+def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=None):
     if unexpected:
         raise ValueError(
             f"trinity backend: unexpected arguments {sorted(unexpected)}; pass trinity's settings as "
@@ -180,6 +181,17 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None):
     )
     session = CompileSession(opts, device, runtime)
     session.margins = margins
+    from .step_budget import join_step
+
+    # The training step's ledger (step_budget.py); a replan of the runtime check keeps the pair's.
+    session.step = step if step is not None else join_step(gm, example_inputs, engine)
+    if engine.kind == "fsdp2" and opts.memory_budget.kind in ("bytes", "fraction"):
+        warnings.warn(
+            f"trinity: under FSDP2 memory_budget={opts.memory_budget.describe()!r} applies to each run of a "
+            "block's graph, not to the whole training step (a block graph runs once per block, and FSDP2's "
+            "all-gather buffers are not planned); see README 'Distributed'",
+            stacklevel=2,
+        )
     partitioner = TrinityPartitioner(session)
     if opts.offload != "activations":
         if opts.inner != "eager":

@@ -112,6 +112,13 @@ class ModelState:
             (:class:`~.passes.cost_model.HostUpdate`; the backend's comes from the live
             ``CPUOptimizer``, ``plan``'s from its flags); ``None``: the device's default
             (:func:`~.passes.cost_model.host_update_model`).
+        held_bytes: device bytes the training step holds outside this pair while it runs, under
+            the other pairs' plans (the step ledger, :mod:`offload_compiler.step_budget`): they
+            come off the pair's budget and count in its planned peak. 0: the pair is the step.
+        held_unplanned_bytes: the same with nothing offloaded (counts in the unplanned peak, the
+            base of a percentage budget).
+        step_unplanned_peak_bytes: the largest unplanned step peak of the step's other pairs
+            compiled so far (a percentage budget is of the larger of it and this pair's).
     """
 
     offload: str = "activations"
@@ -119,19 +126,23 @@ class ModelState:
     optimizer_state_bytes: int = 0
     host_grad: bool | None = None
     update: Any = None
+    held_bytes: int = 0
+    held_unplanned_bytes: int = 0
+    step_unplanned_peak_bytes: int = 0
 
     def __post_init__(self):
         if self.offload not in _OFFLOAD_MODES:
             raise ValueError(f"ModelState.offload: {self.offload!r}; one of {', '.join(_OFFLOAD_MODES)}")
         if self.params and self.offload == "activations":
             raise ValueError("ModelState: parameters to offload need offload='activations+params' or 'all'")
-        if self.optimizer_state_bytes < 0:
-            raise ValueError(f"ModelState.optimizer_state_bytes must be >= 0, got {self.optimizer_state_bytes}")
+        for name in ("optimizer_state_bytes", "held_bytes", "held_unplanned_bytes", "step_unplanned_peak_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ModelState.{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def resident_bytes(self) -> int:
         """Device bytes held outside the pair throughout the step."""
-        return 0 if self.offload == "all" else self.optimizer_state_bytes
+        return (0 if self.offload == "all" else self.optimizer_state_bytes) + self.held_bytes
 
     @property
     def host_bytes(self) -> int:
@@ -249,7 +260,8 @@ def resolve_budget(options: TrinityOptions, live: liveness.Liveness, model_state
 
     * bytes: as given;
     * a fraction: of the step's peak without offloading, the pair's (``live.peak_bytes``) plus
-      ``model_state.optimizer_state_bytes``;
+      ``model_state.optimizer_state_bytes`` and what the step's other pairs hold unplanned
+      (``held_unplanned_bytes``), or the other pairs' largest (``step_unplanned_peak_bytes``);
     * ``"auto"``: on CUDA, the device's free memory now, plus what the pair's parameters and
       inputs already hold (they are part of its peak), less ``budget_reserve_bytes``; without
       CUDA, no limit;
@@ -259,7 +271,8 @@ def resolve_budget(options: TrinityOptions, live: liveness.Liveness, model_state
     if budget.kind == "bytes":
         return int(budget.value)
     if budget.kind == "fraction":
-        return int(budget.value * (live.peak_bytes + model_state.optimizer_state_bytes))
+        own = live.peak_bytes + model_state.optimizer_state_bytes + model_state.held_unplanned_bytes
+        return int(budget.value * max(own, model_state.step_unplanned_peak_bytes))
     if budget.kind == "none":
         return None
     device = torch.device(live.device)
@@ -403,7 +416,7 @@ def plan_pair(
         budget = None if budget is None else budget - device_state
     extra = ms.resident_bytes + device_state
     predictions = Predictions(
-        unplanned_peak_bytes=live.peak_bytes + ms.optimizer_state_bytes,
+        unplanned_peak_bytes=live.peak_bytes + ms.optimizer_state_bytes + ms.held_unplanned_bytes,
         planned_peak_bytes=act.peak_bytes_planned + extra,
         lowest_reachable_peak_bytes=act.lowest_reachable_peak_bytes + extra,
         feasible=act.feasible,
@@ -581,9 +594,11 @@ def _verify(ctx: RewriteContext, plan: PairPlan) -> PairPlan:
 def run_rewrites(ctx: RewriteContext, plan: PairPlan, passes: tuple[RewritePass, ...] = REWRITE_PASSES) -> PairPlan:
     """Run ``passes`` in order on ``ctx.pair``, then the verifier (when ``verify`` is on).
 
-    Each pass is timed into ``ctx.seconds``; with a dumper, the graphs are written as the pass's
-    dump stage right after it changed them, so consecutive dumps differ exactly by what one pass
-    did, and ``passes.json`` lists the passes in run order. Returns the final plan.
+    Each pass that applies (returns a plan) is timed into ``ctx.seconds``; a pass with nothing to
+    do (returns ``None``, e.g. ``insert_recompute`` without chains) is neither timed nor dumped.
+    With a dumper, the graphs are written as the pass's dump stage right after it changed them, so
+    consecutive dumps differ exactly by what one pass did, and ``passes.json`` lists the passes in
+    run order. Returns the final plan.
 
     Raises:
         offload_compiler.passes.verify.VerificationError: when the verifier finds a violation.
@@ -591,9 +606,9 @@ def run_rewrites(ctx: RewriteContext, plan: PairPlan, passes: tuple[RewritePass,
     for p in passes:
         t0 = time.perf_counter()
         out = p.run(ctx, plan)
-        ctx.seconds[p.name] = time.perf_counter() - t0
         if out is None:
             continue
+        ctx.seconds[p.name] = time.perf_counter() - t0
         plan = out
         ctx.run_order.append((p.name, p.dump))
         if ctx.dumper:
@@ -672,10 +687,19 @@ class CompileSession:
         self.planned_steps = None
         # offload="all" under DDP: the gradients' all-reduce (runtime.grad_sync.GradSync; set by the backend)
         self.grad_sync = None
+        # The training step this pair is one of (step_budget.StepPair; set by the backend) and
+        # what the step held outside the pair when it was planned (StepLedger.holdings).
+        self.step = None
+        self.step_held: tuple[int, int, int] = (0, 0, 0)
 
     def model_state(self, pair: GraphPair) -> ModelState:
         """The :class:`ModelState` of ``pair``: its parameter inputs that have slots
-        (``offload`` other than ``"activations"``), with their slots' host bytes."""
+        (``offload`` other than ``"activations"``), with their slots' host bytes, and what the
+        training step holds outside it (:mod:`.step_budget`; not with ``memory_budget="auto"``)."""
+        held = (0, 0, 0)
+        if self.step is not None and self.options.memory_budget.kind in ("bytes", "fraction"):
+            held = self.step.holdings(self.options.offload)
+        self.step_held = held
         static = set(pair.static_input_indices)
         params = {i: (s.id, s.host_bytes) for i, s in self.param_slots.items() if i in static}
         update = None
@@ -684,7 +708,14 @@ class CompileSession:
             if owner is not None:
                 spec = cost_model.apply_overrides(detect_device_spec(self.device, self.options.device), self.options)
                 update = cost_model.host_update_from_optimizer(spec, owner)
-        return ModelState(offload=self.options.offload, params=params, update=update)
+        return ModelState(
+            offload=self.options.offload,
+            params=params,
+            update=update,
+            held_bytes=held[0],
+            held_unplanned_bytes=held[1],
+            step_unplanned_peak_bytes=held[2],
+        )
 
     def _assign_streams(
         self, pair: GraphPair, costs: cost_model.Costs, planned_peak: int
@@ -739,6 +770,36 @@ class CompileSession:
                 if other is slot:  # the same parameter at several inputs
                     del self.param_slots[i]
 
+    def _step_defers(self) -> bool:
+        """Whether an infeasible plan waits for the step's check: a percentage budget while more
+        pairs of the step are to compile (the step's unplanned peak is not known yet)."""
+        return self.step is not None and self.options.memory_budget.kind == "fraction" and self.step.more_coming
+
+    def _record_step(self, the_plan: PairPlan) -> None:
+        """Record the pair in its step's ledger; at the step's last pair (of several) under a
+        percentage budget, check every pair's predicted step peak against the step's final
+        budget."""
+        self.step.record(the_plan, self.step_held)
+        opts = self.options
+        step = self.step.ledger.report()
+        if opts.memory_budget.kind != "fraction" or self.step.more_coming or len(step.pairs) < 2:
+            return
+        budget = int(opts.memory_budget.value * step.unplanned_peak_bytes)
+        over = [p for p in step.pairs if p.step_peak_bytes > budget]
+        if not over:
+            return
+        worst = max(over, key=lambda p: p.step_peak_bytes)
+        message = (
+            f"trinity: memory_budget {opts.memory_budget.describe()} of the training step's unplanned peak "
+            f"{step.unplanned_peak_bytes} bytes is {budget} bytes; {len(over)} of its {len(step.pairs)} graph "
+            f"pairs cannot stay within it, the worst {worst.label} at {worst.step_peak_bytes} bytes "
+            f"({worst.own_planned_peak_bytes} its own, {worst.held_bytes} held by the rest of the step).\n"
+            + step.summary()
+        )
+        if opts.on_infeasible == "error":
+            raise InfeasibleBudgetError(message)
+        warnings.warn(message + " (on_infeasible='warn': running the lowest-peak plans)", stacklevel=2)
+
     def run(self, pair: GraphPair) -> PairPlan:
         """Prepare, plan (:func:`plan_pair`), rewrite (:data:`REWRITE_PASSES`) and verify one
         partitioned pair in place, then record its report. Returns the final plan. (It runs
@@ -788,7 +849,21 @@ class CompileSession:
                 unplanned_peak_bytes=the_plan.liveness.peak_bytes,
             )
             message += plan_recompute.infeasible_note(joint.recompute)
-            if opts.on_infeasible == "error":
+            if self.step is not None and self.step_held[0]:
+                # The figures above are this pair's own; the budget is the step's.
+                lowest = the_plan.predictions.lowest_reachable_peak_bytes
+                step_unplanned = max(the_plan.predictions.unplanned_peak_bytes, self.step_held[2])
+                message += (
+                    f" The training step's other graph pairs hold {self.step_held[0]} bytes while this one runs"
+                    f" (earlier pairs are not replanned to keep less): the lowest step budget this pair runs in is"
+                    f" {lowest} bytes, {100 * lowest / max(step_unplanned, 1):.1f}% of the step's unplanned peak"
+                    f" ({step_unplanned} bytes so far).\n" + self.step.ledger.report().summary()
+                )
+            if self._step_defers():
+                # A DDP split's percentage budget is provisional until the last split compiles.
+                log.info("%s (provisional: checked when the step's last graph pair compiles)", message)
+                fallback = "budget infeasible for now; checked against the step's budget at its last graph pair"
+            elif opts.on_infeasible == "error":
                 if dumper:
                     dumper.text("error.txt", message)
                 raise InfeasibleBudgetError(message)
@@ -805,6 +880,8 @@ class CompileSession:
         step_nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
         ctx = RewriteContext(pair, self, step_nodes, dumper, seconds)
         the_plan = run_rewrites(ctx, the_plan)
+        if self.step is not None:
+            self._record_step(the_plan)
         if opts.runtime_check != "off" and opts.fault_injection is None:
             from .step_check import PlannedSteps
 

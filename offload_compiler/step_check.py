@@ -531,19 +531,21 @@ class CheckedCompile:
             self._session.reports[-1] = new
             if self._first is None:
                 self._first = (m.peak_bytes, old.peak_bytes_planned)
-            budget = old.budget_bytes
+            # The pair's own share of the step's budget: what the step's other graph pairs hold
+            # while it runs (step_budget.py) is not in its measurement.
+            held = self._session.step_held[0]
+            budget = None if old.budget_bytes is None else old.budget_bytes - held
+            own_planned = old.peak_bytes_planned - held
             over = budget is not None and m.peak_bytes > budget
             # Margins change the plan only where they raise its peak above the budget (and above
             # the plan's own peak, for the lowest-peak plan of an infeasible budget).
-            explained = (
-                over and m.extra_bytes > 0 and m.predicted_with_margins_bytes > max(budget, old.peak_bytes_planned)
-            )
+            explained = over and m.extra_bytes > 0 and m.predicted_with_margins_bytes > max(budget, own_planned)
             if explained and self._mode == "replan" and self._recompile is not None and self._replans < MAX_REPLANS:
                 self._due = m
                 self._state = "replan"
                 return
             self._state = "done"
-        if over and (explained or old.peak_bytes_planned <= budget):
+        if over and (explained or own_planned <= budget):
             if not explained:
                 why = (
                     f"no op's workspace explains it ({m.unexplained_bytes} bytes beyond the plan with the measured "
@@ -558,7 +560,10 @@ class CheckedCompile:
                 why = f"still after {self._replans} replans"
             warnings.warn(
                 f"trinity graph {new.graph_id}: the measured peak of the first step, {m.peak_bytes} bytes, is above "
-                f"the budget {budget} bytes (planned {new.peak_bytes_planned}); {why}. " + _describe(m),
+                f"the budget {budget} bytes (planned {own_planned})"
+                + (f", the step's {old.budget_bytes} bytes less {held} held by its other graph pairs" if held else "")
+                + f"; {why}. "
+                + _describe(m),
                 stacklevel=2,
             )
 

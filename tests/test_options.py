@@ -35,6 +35,7 @@ EXPECTED_ALLOWED = sorted(
         "offload",
         "num_streams",
         "runtime_check",
+        "strategy",
         "peak_flops",
         "hbm_bytes_per_s",
         "h2d_bytes_per_s",
@@ -86,6 +87,7 @@ def test_defaults():
     assert opts.optimizer_on_device == 0.0
     assert opts.device_memory_bytes is None
     assert opts.inductor_config == ()
+    assert opts.strategy == "auto"
     assert build(None) == opts
     assert_round_trips(opts)
 
@@ -340,6 +342,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "runtime_check": "measure",
         "host_bytes_per_s": 6e10,
         "optimizer_on_device": "auto",
+        "strategy": "offload",
     }
     opts = build(options)
     assert opts.to_dict() == {
@@ -366,6 +369,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "runtime_check": "measure",
         "host_bytes_per_s": 6e10,
         "optimizer_on_device": "auto",
+        "strategy": "offload",
     }
     assert_round_trips(opts)
 

@@ -79,8 +79,15 @@ def test_chains_of_the_gelu_mlp(mlp):
     mm1 = chains[("mm_1",)]
     assert mm1.nodes == ("gelu", "mm_1")
     kinds = {leaf.fw_node: (leaf.kind, leaf.bw_node) for leaf in mm1.leaves}
-    # The weight is not saved for the backward (its transpose is): a new saved value.
-    assert kinds == {"mm": ("saved", "mm"), "primals_2": ("parameter", None)}
+    # With the parameters as static inputs the partitioner saves the weight itself (not a view of
+    # it), so the chain reads it as a saved value.
+    assert kinds == {"mm": ("saved", "mm"), "primals_2": ("saved", "primals_2")}
+    # The first layer's weight is not saved (the input needs no gradient), nor is the input
+    # (its transpose is): both are new saved values of the first matmul's chain.
+    mm0 = chains[("mm",)]
+    assert mm0.nodes == ("mm",)
+    kinds = {leaf.fw_node: (leaf.kind, leaf.bw_node) for leaf in mm0.leaves}
+    assert kinds == {"primals_1": ("parameter", None), "primals_5": ("input", None)}
     assert mm1.flops == 2 * N * D * D
     assert mm1.transient_bytes == N * D * 4  # the GELU output the matmul reads
     assert mm1.recompute_before == live.buffers[mm1.buffer].first_bw_use

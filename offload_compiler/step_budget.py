@@ -1,0 +1,392 @@
+"""The memory budget of a training step: a ledger of what the step's compiled graph pairs hold.
+
+One training step can run several compiled graph pairs: DDP's graph splitting (``optimize_ddp``)
+compiles one pair per gradient bucket, and a graph break gives a pair on each side. Their
+forwards run in order and their backwards in reverse order (``F0 F1 .. Fn Bn .. B0``), so while
+pair ``i`` runs (forward and backward) the device holds, besides what pair ``i``'s own liveness
+counts:
+
+* the saved activations every **earlier** pair kept on the device for its backward (not
+  evicted, not recomputed): they stay until that pair's backward, which runs after pair ``i``'s;
+* the earlier pairs' inputs other than parameters (the step's own inputs, held by the caller,
+  and the earlier pairs' outputs that the pair after them reads, mostly saved for a backward);
+* the model's parameters that pair ``i`` does not read (resident; parameters trinity offloads,
+  with ``offload="activations+params"`` or ``"all"``, are on the device only inside their own
+  pair and do not count);
+* the gradients of those parameters (left by later pairs' backwards, or by an earlier
+  micro-step under gradient accumulation; none for parameters whose gradients go to host memory
+  with ``"all"``); counted for the whole pair, forward included, and also for earlier pairs'
+  parameters whose gradients do not exist yet (conservative);
+* under DDP, the reducer's gradient buckets (the bytes of the parameters DDP reduces).
+
+A later pair's saved activations are never alive while pair ``i`` runs (its backward has freed
+them before ``Bi``), so planning the pairs one after another in compile order, which is forward
+order, each against the budget less what the ledger says the others hold while it runs, keeps
+the whole step within the budget. :class:`StepLedger` keeps those holdings; the pipeline plans a
+pair with them (``ModelState.held_bytes`` comes off the pair's budget) and records the result
+(:meth:`StepLedger.record`).
+
+**Percentages** (``"50%"``) are of the step's peak without offloading: the largest, over the
+pairs compiled so far, of the pair's own unplanned peak plus what the others hold unplanned (the
+earlier pairs' saved activations all kept). A pair compiled before the step's last pair sees a
+smaller step so far, so it plans against a smaller budget than the final one (it evicts more than
+needed, never less). A pair that cannot reach its (provisional) percentage budget while more
+pairs of the step are still to compile (a DDP split that is not its frame's last, a graph ending
+at a graph break) is not refused at once: the step's last pair's compile checks every pair's
+planned step peak against the final budget, and refuses there (``on_infeasible="error"``) or
+warns.
+
+**Where the ledger lives**: on the DDP module under DDP, else on the outermost module that owns
+the pair's parameters (the compiled model; after a graph break, the resumed frame's ``self``).
+Pairs are identified by the frame's code object and their split index, so a recompile of a
+frame (another input shape) replaces that pair's entry. A pair whose parameters no module owns
+(a function of tensors) is planned alone, as before.
+
+**What it does not cover** (see README "Distributed"): memory outside the compiled graphs (eager
+code between them, the optimizer's state, FSDP2's all-gather buffers); a block graph that runs
+several times per step (FSDP2 per-block compile, a reused ``block.compile()``: each run is planned
+as if it were the step's only one); pairs that do not run in compile order; earlier pairs are
+never replanned when a later one cannot fit (it is refused or warned about like any infeasible
+budget); under gradient accumulation, the pair's own gradients from the earlier micro-step;
+and ``memory_budget="auto"``, which is the free device memory at each pair's compile
+(what the others already hold is not free), without the ledger's holdings.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .options import format_bytes
+
+__all__ = ["PairHolding", "StepLedger", "StepPair", "StepReport", "join_step", "step_report"]
+
+LEDGER_ATTR = "_trinity_step_ledger"
+
+
+@dataclass(frozen=True)
+class PairHolding:
+    """What one compiled pair of the step holds and sees (bytes).
+
+    Attributes:
+        label: ``"<frame name>"`` or ``"<frame name> (DDP split k)"``.
+        kept_bytes: saved activations it keeps on the device from the end of its forward to its
+            backward (what later pairs run beside), under its plan.
+        kept_unplanned_bytes: the same with nothing offloaded or recomputed.
+        param_bytes: device bytes of the parameters it reads.
+        input_bytes: device bytes of its other inputs (held while later pairs run).
+        held_bytes: what the step's other pairs and model state held while it runs, as planned
+            against (:meth:`StepLedger.holdings`).
+        held_unplanned_bytes: the same with nothing offloaded.
+        own_unplanned_peak_bytes / own_planned_peak_bytes: the pair's own peak (its liveness)
+            without and with its plan.
+        budget_bytes: the step's budget it was planned against (``None``: no limit).
+    """
+
+    label: str
+    kept_bytes: int
+    kept_unplanned_bytes: int
+    param_bytes: int
+    input_bytes: int
+    held_bytes: int
+    held_unplanned_bytes: int
+    own_unplanned_peak_bytes: int
+    own_planned_peak_bytes: int
+    budget_bytes: int | None
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """The step's predicted peak while this pair runs (own planned peak + held)."""
+        return self.own_planned_peak_bytes + self.held_bytes
+
+    @property
+    def step_unplanned_peak_bytes(self) -> int:
+        return self.own_unplanned_peak_bytes + self.held_unplanned_bytes
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """The training step's budget and predicted peak, and which pair holds what.
+
+    Attributes:
+        budget_bytes: the step's budget (the largest a pair resolved: a percentage's base grows
+            as pairs compile; ``None``: no limit).
+        predicted_peak_bytes: the largest :attr:`PairHolding.step_peak_bytes`.
+        unplanned_peak_bytes: the largest :attr:`PairHolding.step_unplanned_peak_bytes`.
+        pairs: per pair, in forward order.
+    """
+
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+    unplanned_peak_bytes: int
+    pairs: tuple[PairHolding, ...]
+
+    @property
+    def within_budget(self) -> bool:
+        return self.budget_bytes is None or self.predicted_peak_bytes <= self.budget_bytes
+
+    def summary(self) -> str:
+        budget = "no limit" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+        lines = [
+            f"training step: {len(self.pairs)} graph pair(s), budget {budget}, predicted peak "
+            f"{format_bytes(self.predicted_peak_bytes)} (unplanned {format_bytes(self.unplanned_peak_bytes)})"
+        ]
+        for p in self.pairs:
+            lines.append(
+                f"  {p.label}: own peak {format_bytes(p.own_planned_peak_bytes)} "
+                f"(unplanned {format_bytes(p.own_unplanned_peak_bytes)}), keeps "
+                f"{format_bytes(p.kept_bytes)} of saved activations for its backward and "
+                f"{format_bytes(p.input_bytes)} of inputs, reads "
+                f"{format_bytes(p.param_bytes)} of parameters; the others hold {format_bytes(p.held_bytes)} "
+                f"while it runs: step peak {format_bytes(p.step_peak_bytes)}"
+            )
+        return "\n".join(lines)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class StepLedger:
+    """The pairs of one model's training step, in forward (compile) order.
+
+    Args:
+        root: the module whose parameters the step reads (under DDP, ``ddp.module``).
+        ddp: the DDP module, when the step runs under DDP (its buckets count).
+    """
+
+    def __init__(self, root: torch.nn.Module, ddp: torch.nn.Module | None = None):
+        self._root = weakref.ref(root)
+        self._ddp = weakref.ref(ddp) if ddp is not None else None
+        self._entries: dict[Any, PairHolding] = {}
+
+    def belongs_to(self, root: torch.nn.Module) -> bool:
+        return self._root() is root
+
+    def __reduce__(self):
+        # A copied or pickled module (``copy.deepcopy``, ``torch.save``) gets an empty ledger
+        # that belongs to no module: its first compile starts a new one.
+        return (_detached_ledger, ())
+
+    @property
+    def entries(self) -> tuple[PairHolding, ...]:
+        return tuple(self._entries.values())
+
+    def _model_state_bytes(self, own: set[int], offload: str) -> tuple[int, int]:
+        """(parameters, gradients) of the model held on the device outside a pair reading ``own``
+        (parameter ids)."""
+        from .runtime.model_state import SLOT_ATTR
+
+        root = self._root()
+        if root is None:
+            return 0, 0
+        params = grads = 0
+        seen: set[int] = set()
+        for p in root.parameters():
+            if id(p) in seen or id(p) in own:
+                continue
+            seen.add(id(p))
+            slotted = getattr(p, SLOT_ATTR, None) is not None
+            if not slotted:
+                params += _nbytes(p)
+            if p.requires_grad and not (slotted and offload == "all"):
+                grads += _nbytes(p)
+        return params, grads
+
+    def _bucket_bytes(self) -> int:
+        ddp = self._ddp() if self._ddp is not None else None
+        if ddp is None:
+            return 0
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+        return sum(_nbytes(p) for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored)
+
+    def holdings(self, key: Any, own_params: set[int], offload: str) -> tuple[int, int, int]:
+        """What the step holds on the device outside pair ``key`` while it runs, in bytes:
+        ``(planned, unplanned, step unplanned peak so far)``. ``planned`` counts the earlier
+        pairs' kept saved activations under their plans, ``unplanned`` all their saved
+        activations; both add the parameters and gradients outside the pair and DDP's buckets.
+        The third figure is the largest unplanned step peak of the pairs recorded before it."""
+        earlier = []
+        for k, e in self._entries.items():
+            if k == key:
+                break
+            earlier.append(e)
+        params, grads = self._model_state_bytes(own_params, offload)
+        base = params + grads + self._bucket_bytes()
+        inputs = sum(e.input_bytes for e in earlier)
+        return (
+            base + inputs + sum(e.kept_bytes for e in earlier),
+            base + inputs + sum(e.kept_unplanned_bytes for e in earlier),
+            max((e.step_unplanned_peak_bytes for e in earlier), default=0),
+        )
+
+    def record(self, key: Any, holding: PairHolding) -> None:
+        """Enter (or replace, keeping its place) pair ``key``'s holding."""
+        self._entries[key] = holding
+
+    def report(self) -> StepReport:
+        entries = self.entries
+        budgets = [e.budget_bytes for e in entries]
+        return StepReport(
+            # A percentage's base grows with the pairs compiled: the last, largest, is the step's.
+            budget_bytes=None if not budgets or None in budgets else max(budgets),
+            predicted_peak_bytes=max((e.step_peak_bytes for e in entries), default=0),
+            unplanned_peak_bytes=max((e.step_unplanned_peak_bytes for e in entries), default=0),
+            pairs=entries,
+        )
+
+
+def _detached_ledger() -> StepLedger:
+    ledger = StepLedger.__new__(StepLedger)
+    ledger._root = lambda: None
+    ledger._ddp = None
+    ledger._entries = {}
+    return ledger
+
+
+@dataclass
+class StepPair:
+    """One pair's membership in a step: its ledger, key, label and the parameters it reads.
+
+    Attributes:
+        ledger: the step's :class:`StepLedger`.
+        key: the pair's identity in the ledger (frame code object, split index).
+        label: for reports.
+        params: the real parameters it reads (id -> parameter).
+        split: ``(index, count)`` of a DDP split, else ``None``.
+        graph_break: Dynamo compiles the frame's graph because of a graph break: more pairs of
+            the step follow (the code after the break).
+    """
+
+    ledger: StepLedger
+    key: Any
+    label: str
+    params: dict[int, torch.nn.Parameter]
+    split: tuple[int, int] | None = None
+    graph_break: bool = False
+
+    @property
+    def more_coming(self) -> bool:
+        """Whether more pairs of the step compile after this one: a DDP split that is not its
+        frame's last, or a graph ending at a graph break."""
+        return self.graph_break or (self.split is not None and self.split[0] < self.split[1] - 1)
+
+    def holdings(self, offload: str) -> tuple[int, int, int]:
+        return self.ledger.holdings(self.key, set(self.params), offload)
+
+    def record(self, plan, held: tuple[int, int, int]) -> PairHolding:
+        """Record ``plan`` (a :class:`~offload_compiler.pipeline.PairPlan`, after the rewrites)
+        in the ledger; returns the holding."""
+        from .passes.plan_window import planned_live_bytes
+
+        act, view, live = plan.activations, plan.activation_liveness, plan.liveness
+        own_planned = int(planned_live_bytes(view, act.evictions).max()) if view.num_steps else 0
+        if plan.verified_peak_bytes is not None:
+            own_planned = plan.verified_peak_bytes
+        holding = PairHolding(
+            label=self.label,
+            kept_bytes=kept_saved_bytes(view, {e.buffer for e in act.evictions}),
+            kept_unplanned_bytes=kept_saved_bytes(live, set()),
+            param_bytes=sum(_nbytes(p) for p in self.params.values()),
+            input_bytes=input_bytes(live),
+            held_bytes=held[0],
+            held_unplanned_bytes=held[1],
+            own_unplanned_peak_bytes=live.peak_bytes,
+            own_planned_peak_bytes=own_planned,
+            budget_bytes=plan.step_budget_bytes,
+        )
+        self.ledger.record(self.key, holding)
+        return holding
+
+
+def input_bytes(live) -> int:
+    """Device bytes of the forward's inputs other than parameters in ``live``."""
+    from .passes.liveness import BufferKind
+
+    return sum(b.size_bytes for b in live.buffers if b.on_device and b.kind == BufferKind.INPUT)
+
+
+def kept_saved_bytes(live, evicted: set[int]) -> int:
+    """Device bytes of saved activations alive across the forward/backward boundary of ``live``
+    (a :class:`~offload_compiler.passes.liveness.Liveness`), leaving out buffer ids ``evicted``."""
+    from .passes.liveness import BufferKind
+
+    boundary = live.num_fw_steps - 1
+    total = 0
+    for b in live.buffers:
+        if not b.on_device or b.fused or b.kind != BufferKind.SAVED or b.id in evicted:
+            continue
+        if any(first <= boundary < last for first, last in b.intervals()):
+            total += b.size_bytes
+    return total
+
+
+def _ddp_split_position() -> tuple[int, int] | None:
+    """``(index, count)`` of the DDP split being compiled: found on the stack, in the
+    ``SubmodCompiler`` (``torch/_dynamo/backends/distributed.py``) compiling it, whose module is
+    the split graph (its ``call_module`` nodes are the splits; compiled ones are renamed
+    ``compiled_*``). ``None`` when not compiling a DDP split."""
+    try:
+        from torch._dynamo.backends.distributed import SubmodCompiler
+    except ImportError:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, SubmodCompiler):
+            calls = [n for n in owner.module.graph.nodes if n.op == "call_module"]
+            done = sum(str(n.target).startswith("compiled_") for n in calls)
+            return (done, len(calls))
+        frame = frame.f_back
+    return None
+
+
+def join_step(gm, example_inputs, engine) -> StepPair | None:
+    """The :class:`StepPair` of the pair being compiled from ``gm`` (a Dynamo graph), or
+    ``None`` when it is not part of a model's step (no module owns its parameters, or it is
+    compiled outside Dynamo) or runs under FSDP2 (a block graph run several times per step,
+    not covered: module docstring)."""
+    from .param_offload import owning_roots, real_parameters
+
+    if engine.kind == "fsdp2":
+        return None
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        output = InstructionTranslator.current_tx().output
+        code = output.root_tx.f_code
+        graph_break = bool(getattr(getattr(output, "compile_subgraph_reason", None), "graph_break", False))
+    except Exception:  # noqa: BLE001  (not inside a Dynamo compile: nothing to join)
+        return None
+    params = real_parameters(example_inputs, gm)
+    ddp = engine.module if engine.kind == "ddp" else None
+    if ddp is not None:
+        root = ddp.module
+        holder = ddp
+    else:
+        roots = owning_roots(gm, sorted(params))
+        if not roots:
+            return None
+        root = holder = roots[0]
+    ledger = getattr(holder, LEDGER_ATTR, None)
+    if not isinstance(ledger, StepLedger) or not ledger.belongs_to(root):
+        ledger = StepLedger(root, ddp)
+        setattr(holder, LEDGER_ATTR, ledger)
+    split = _ddp_split_position() if ddp is not None else None
+    index = split[0] if split is not None else 0
+    label = code.co_name + (f" (DDP split {index} of {split[1]})" if split is not None else "")
+    return StepPair(ledger, (code, index), label, {id(p): p for p in params.values()}, split, graph_break)
+
+
+def step_report(module: torch.nn.Module) -> StepReport | None:
+    """The training step's :class:`StepReport` for ``module`` (the model given to
+    ``torch.compile``, or its DDP wrapper), or ``None`` before any of its pairs compiled."""
+    for m in (module, getattr(module, "module", None), getattr(module, "_orig_mod", None)):
+        ledger = getattr(m, LEDGER_ATTR, None) if m is not None else None
+        if isinstance(ledger, StepLedger):
+            return ledger.report()
+    return None
