@@ -15,7 +15,9 @@ this package gives the reports and the tools::
 
 from .options import MemoryBudget, TrinityOptions, format_bytes, parse_size
 from .report import TrinityReport, last_report, reports
-from .runtime import ops as _ops  # noqa: F401  (registers the trinity::* custom ops)
+from .runtime import grad_sync as _grad_sync_kernels  # noqa: F401  (registers the trinity::grad_sync ops' kernels)
+from .runtime import ops as _kernels  # noqa: F401  (registers the trinity::* transfer and stream kernels)
+from .runtime import param_ops as _param_kernels  # noqa: F401  (registers the trinity::param_* kernels)
 from .runtime.accounting import MemoryMeasurement, measure_peak_device_bytes
 from .runtime.cpu_optim import CPUOptimizer
 from .runtime.model_state import install_state_dict_hooks, materialized

@@ -129,10 +129,10 @@ def trinity(
 
 def _with_runtime_check(compiled, gm, example_inputs, options, mode):
     """``compiled`` measured in its first steps and replanned if the measured peak is above the
-    budget (``runtime_check``; see ``runtime/step_check.py``, which says why a replan compiles
+    budget (``runtime_check``; see ``step_check.py``, which says why a replan compiles
     Dynamo's graph again). Keeps ``gm``, fake copies of ``example_inputs`` and the tracing context
     for that; returns ``compiled`` itself where there is nothing to check."""
-    from .runtime.step_check import CheckedCompile, session_of
+    from .step_check import CheckedCompile, session_of
 
     session = session_of(compiled)
     if session is None or session.options.runtime_check == "off" or session.planned_steps is None:
@@ -247,7 +247,7 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
         inner = boxed_nop
         if faults is not None and opts.compute_streams > 1:
             # Test mode: multi-stream graphs run under the interleaving executor.
-            from .runtime.interleave import interleaved_compiler
+            from .testing.interleave import interleaved_compiler
 
             inner = interleaved_compiler(opts.fault_injection)
         elif opts.compute_streams > 1:

@@ -38,6 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch.fx as fx
 
+from .ir.meta import NOTE_KEY, STREAM_KEY
+
 __all__ = ["GraphDumper"]
 
 
@@ -45,14 +47,12 @@ def readable(gm: fx.GraphModule) -> str:
     """``print_readable`` text with trinity's ``node.meta["trinity"]`` notes as comments."""
     try:
         return gm.print_readable(
-            print_output=False, include_stride=True, include_device=True, additional_meta=["trinity", "trinity_stream"]
+            print_output=False, include_stride=True, include_device=True, additional_meta=[NOTE_KEY, STREAM_KEY]
         )
     except TypeError:  # torch without additional_meta
         text = gm.print_readable(print_output=False, include_stride=True, include_device=True)
-        notes = [f"#   {n.name}: {n.meta['trinity']}" for n in gm.graph.nodes if "trinity" in n.meta]
-        notes += [
-            f"#   {n.name}: stream {n.meta['trinity_stream']}" for n in gm.graph.nodes if "trinity_stream" in n.meta
-        ]
+        notes = [f"#   {n.name}: {n.meta[NOTE_KEY]}" for n in gm.graph.nodes if NOTE_KEY in n.meta]
+        notes += [f"#   {n.name}: stream {n.meta[STREAM_KEY]}" for n in gm.graph.nodes if STREAM_KEY in n.meta]
         return text + ("\n# trinity notes:\n" + "\n".join(notes) + "\n" if notes else "")
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .ir.alias import hint_int, tensor_vals
+
 __all__ = ["GraphPair", "SavedLink", "tensor_vals", "fake_mode_of", "hint_int", "is_rng_state"]
 
 
@@ -105,16 +107,6 @@ def is_rng_state(node: fx.Node) -> bool:
     )
 
 
-def tensor_vals(node: fx.Node) -> list[torch.Tensor]:
-    """The tensors in ``node.meta["val"]`` (one for most ops, several for tuple outputs)."""
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [v for v in val if isinstance(v, torch.Tensor)]
-    return []
-
-
 def fill_tuple_vals(gm: fx.GraphModule) -> int:
     """Give ``meta["val"]`` to tuple-valued nodes that AOTAutograd leaves without one, from their
     ``getitem`` users; returns how many nodes got one.
@@ -156,21 +148,3 @@ def fake_mode_of(*graphs: fx.GraphModule):
             if len(vals) > 8:
                 break
     return detect_fake_mode(vals) if vals else None
-
-
-def hint_int(value) -> int:
-    """An int for a possibly symbolic value, from the shape environment's hint (adds no guard)."""
-    if isinstance(value, int):
-        return value
-    if isinstance(value, torch.SymInt):
-        node = value.node
-        for attr in ("hint", "_hint"):
-            hint = getattr(node, attr, None)
-            if hint is not None:
-                return int(hint)
-        try:  # torch >= 2.12
-            from torch.fx.experimental.symbolic_shapes import optimization_hint
-        except ImportError:
-            return int(node.shape_env.size_hint(node.expr))
-        return int(optimization_hint(value))
-    return int(value)

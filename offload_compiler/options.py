@@ -221,7 +221,7 @@ class TrinityOptions:
             copies deferred to their waits, fresh buffers poisoned with NaN, pool blocks handed
             out in random order; see ``offload_compiler.runtime.transfer.FaultInjection``). With
             ``num_streams > 1`` and ``inner="eager"`` the multi-stream graphs also run under the
-            interleaving executor (``offload_compiler.runtime.interleave``).
+            interleaving executor (``offload_compiler.testing.interleave``).
         num_streams: compute streams per device (int >= 1), or ``None`` (the default: 2 with
             ``inner="eager"`` and ``offload="activations"``, else 1; see :attr:`compute_streams`). 1 turns the
             ``assign_streams`` pass off; with more, independent nodes may run on side streams
@@ -235,7 +235,7 @@ class TrinityOptions:
             go to host memory as produced, ``offload_compiler.CPUOptimizer`` steps on the CPU).
             Parameter offload needs ``inner="eager"``.
         runtime_check: what the compiled code does in its first steps
-            (``offload_compiler/runtime/step_check.py``): ``"replan"`` (the default) measures the
+            (``offload_compiler/step_check.py``): ``"replan"`` (the default) measures the
             first step of a plan on this machine (the allocator's events: the peak, and per op the
             workspace it allocates and frees inside itself), reports it
             (``TrinityReport.measured_peak_bytes``) and, where the measured peak is above the

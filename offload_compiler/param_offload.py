@@ -201,7 +201,7 @@ def rewrite_inference(
 
     Raises:
         offload_compiler.passes.verify.VerificationError: when ``options.verify`` is on and the
-            rewritten graph breaks a residency invariant (:func:`.passes.param_residency.check`).
+            rewritten graph breaks a residency invariant (:func:`.passes.verify.check_residency`).
     """
     if not slots:
         return None
@@ -217,9 +217,9 @@ def rewrite_inference(
     the_plan = plan_pair(pair, options, ModelState(offload="all", params=chosen, host_grad=False)).residency
     param_residency.apply(pair, the_plan, step_nodes, rt, release=options.offload == "all", backward=False)
     if options.verify:
-        from .passes.verify import VerificationError
+        from .passes.verify import VerificationError, check_residency
 
-        errors = param_residency.check(pair, the_plan)
+        errors = check_residency(pair, the_plan)
         if errors:
             raise VerificationError(
                 "trinity verification of parameter residency (inference graph) failed:\n  - " + "\n  - ".join(errors)

@@ -51,11 +51,11 @@ from .passes import (
     insert_recompute,
     insert_transfers,
     liveness,
+    pair_timeline,
     param_residency,
     plan_recompute,
     plan_window,
     reorder,
-    simulate,
     size_guard,
     verify,
 )
@@ -341,7 +341,7 @@ def plan_pair(
         analysis: :func:`analyze_pair` of this very pair (to plan several budgets on one
             analysis); computed when ``None``.
         margins: per-op workspace measured by the runtime check of the first steps
-            (:mod:`.runtime.step_check`): liveness counts it, and the budget is the one the
+            (:mod:`.step_check`): liveness counts it, and the budget is the one the
             first plan resolved (``margins.budget_bytes``).
 
     Without parameter offload the joint planner (:func:`~.passes.plan_recompute.plan_joint`)
@@ -576,7 +576,7 @@ def _verify(ctx: RewriteContext, plan: PairPlan) -> PairPlan:
     (every mode; the budget of an infeasible plan that runs anyway is not checked)."""
     opts = ctx.session.options
     if plan.residency is not None:
-        errors = param_residency.check(ctx.pair, plan.residency)
+        errors = verify.check_residency(ctx.pair, plan.residency)
         if errors:
             raise verify.VerificationError(
                 "trinity verification of parameter residency failed:\n  - " + "\n  - ".join(errors)
@@ -681,7 +681,7 @@ class CompileSession:
         # offload="activations+params"/"all": forward input position -> ParamSlot (set by the backend)
         self.param_slots: dict = {}
         self.residency_plans: list = []
-        # Set by the runtime check of the first steps (runtime/step_check.py) when it replans:
+        # Set by the runtime check of the first steps (step_check.py) when it replans:
         # the measured workspace, an input of plan_pair; and what it reads back after the rewrite.
         self.margins: WorkspaceMargins | None = None
         self.planned_steps = None
@@ -889,7 +889,7 @@ class CompileSession:
         if self.step is not None:
             self._record_step(the_plan)
         if opts.runtime_check != "off" and opts.fault_injection is None:
-            from .runtime.step_check import PlannedSteps
+            from .step_check import PlannedSteps
 
             try:
                 self.planned_steps = PlannedSteps.of(pair, opts.inner == "inductor", self.margins)
@@ -900,7 +900,7 @@ class CompileSession:
             after = plan_window.planned_live_bytes(view, act.evictions)
             dumper.memory_plot(view.live_bytes(), after, the_plan.budget_bytes, view.num_fw_steps)
             t0 = time.perf_counter()
-            timeline = simulate.simulate_pair(
+            timeline = pair_timeline.simulate_pair(
                 pair, the_plan.costs.device, assume_fusion=opts.inner == "inductor", pinned=the_plan.costs.pinned
             )
             dumper.json("timeline.json", timeline.chrome_trace())

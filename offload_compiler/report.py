@@ -31,7 +31,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class MeasuredCorrection:
-    """How the runtime check of the first steps (``runtime/step_check.py``) corrected a plan.
+    """How the runtime check of the first steps (``step_check.py``) corrected a plan.
 
     Attributes:
         first_measured_peak_bytes: the peak measured in the first measured step, with the plan
@@ -104,7 +104,7 @@ class TrinityReport:
             stream plan (``passes/assign_streams.py``); empty when the pass did not run or was undone.
         measured_peak_bytes: the peak device bytes measured in this plan's first measured step
             on this machine (the pair's parameters and inputs, plus what its forward and backward
-            allocated; ``runtime_check``, ``runtime/step_check.py``); ``None`` until measured or
+            allocated; ``runtime_check``, ``step_check.py``); ``None`` until measured or
             with ``runtime_check="off"``.
         correction: when the measured peak of an earlier plan of this pair was above the budget
             and the pair was planned again with the measured workspace: what changed

@@ -9,12 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from offload_compiler.ir.ops import RECORD_EVENT, SET_STREAM, WAIT_EVENT
 from offload_compiler.passes import assign_streams as A
 from offload_compiler.passes.happens_before import check_streams, has_streams
 from offload_compiler.passes.simulate import ProgramStep, simulate, simulate_program
-from offload_compiler.runtime.interleave import run_interleaved
-from offload_compiler.runtime.ops import RECORD_EVENT, SET_STREAM, WAIT_EVENT
 from offload_compiler.runtime.streams import ComputeStreams
+from offload_compiler.testing.interleave import run_interleaved
 
 from ._pass_helpers import ROUND
 from .graphs import mlp_pair

@@ -14,9 +14,9 @@
 import pytest
 import torch
 
+from offload_compiler.ir.ops import TRANSFER_OPS
 from offload_compiler.options import TrinityOptions
 from offload_compiler.passes import cost_model, insert_transfers, liveness, plan_window
-from offload_compiler.runtime.ops import TRANSFER_OPS
 
 from ._pass_helpers import ROUND, mlp4_pair, spec, tanh_mm, tanh_mm_pair
 from .graphs import capture_pair

@@ -2,8 +2,8 @@
 
 import torch
 
+from offload_compiler.ir.ops import EVICT_WAIT
 from offload_compiler.passes import cost_model, insert_transfers, liveness, plan_window, verify
-from offload_compiler.runtime.ops import EVICT_WAIT
 from offload_compiler.runtime.transfer import FaultInjection, TransferRuntime
 
 from ._pass_helpers import ROUND

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from offload_compiler.ir.ops import EVICT, EVICT_WAIT, FENCE, PREFETCH, PREFETCH_WAIT, TRANSFER_OPS
 from offload_compiler.passes import insert_transfers, liveness
 from offload_compiler.passes.liveness import BufferKind
-from offload_compiler.runtime.ops import EVICT, EVICT_WAIT, FENCE, PREFETCH, PREFETCH_WAIT, TRANSFER_OPS
 from offload_compiler.runtime.transfer import TransferRuntime
 
 from ._pass_helpers import (

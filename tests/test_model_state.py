@@ -14,9 +14,9 @@ import torch
 
 import offload_compiler
 from offload_compiler import CPUOptimizer, materialized, measure_peak_device_bytes
+from offload_compiler.ir.ops import GRAD_TO_HOST, PARAM_FETCH, PARAM_RELEASE
 from offload_compiler.models import GPTConfig
 from offload_compiler.param_offload import HostMemoryError
-from offload_compiler.runtime.param_ops import GRAD_TO_HOST, PARAM_FETCH, PARAM_RELEASE
 
 from .models import GPTLoss
 

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from offload_compiler.devices import KNOWN_DEVICES
-from offload_compiler.passes import cost_model, liveness, param_residency
-from offload_compiler.passes.simulate import simulate
-from offload_compiler.runtime.model_state import ParamSlot
-from offload_compiler.runtime.param_ops import (
+from offload_compiler.ir.ops import (
     GRAD_TO_HOST,
     GRAD_TO_HOST_WAIT,
     PARAM_FETCH,
     PARAM_FETCH_WAIT,
     PARAM_RELEASE,
 )
+from offload_compiler.passes import cost_model, liveness, param_residency
+from offload_compiler.passes.simulate import simulate
+from offload_compiler.runtime.model_state import ParamSlot
 from offload_compiler.runtime.pool import HostPool
 from offload_compiler.runtime.transfer import FaultInjection, TransferRuntime
 

@@ -233,7 +233,7 @@ def test_random_models_match_eager_and_stay_within_budget(program):
         )
         model.zero_grad(set_to_none=True)
         # With fault injection, graphs on side streams run under the interleaving test executor
-        # (runtime/interleave.py), which keeps copies of the graph inputs: its memory is not the
+        # (testing/interleave.py), which keeps copies of the graph inputs: its memory is not the
         # graph's. The same graphs without fault injection are measured in test_streams_e2e.py.
         interleaved = faults is not None and bool(r.streams)
         assert interleaved or m.peak_bytes <= r.budget_bytes + PEAK_SLACK_BYTES, (

@@ -293,8 +293,8 @@ def test_reload_prefetched_immediately_before_use_never_reads_an_unfinished_copy
     start and its use): every reader still comes after the wait, and under fault injection
     (copies happen at the wait, or at random earlier ops; fresh buffers are NaN) the gradients
     are bit-equal to the graphs without offloading."""
+    from offload_compiler.ir.ops import PREFETCH, PREFETCH_WAIT
     from offload_compiler.passes import verify
-    from offload_compiler.runtime.ops import PREFETCH, PREFETCH_WAIT
 
     from .test_faults import _run
 

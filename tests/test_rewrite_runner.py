@@ -22,8 +22,8 @@ import torch
 
 import offload_compiler
 from offload_compiler import CPUOptimizer, measure_peak_device_bytes
+from offload_compiler.ir.ops import PARAM_FETCH, PARAM_RELEASE
 from offload_compiler.passes import liveness, param_residency, verify
-from offload_compiler.runtime.param_ops import PARAM_FETCH, PARAM_RELEASE
 
 from . import models
 from .graphs import partition_unaware_of_parameters
@@ -207,7 +207,7 @@ def test_residency_with_a_partition_that_saves_views_of_the_weights(viewing_part
     model = copy.deepcopy(ref)
     cref = torch.compile(ref, backend="aot_eager")
     seen = {}
-    real_check = param_residency.check
+    real_check = verify.check_residency
 
     def spy_check(pair, plan):
         seen["pair"], seen["plan"] = pair, plan
@@ -220,7 +220,7 @@ def test_residency_with_a_partition_that_saves_views_of_the_weights(viewing_part
     owner = _sgd_owner(model)
     batch = models.gpt_batch(8, 32, 64)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(pipeline.param_residency, "check", spy_check)
+        m.setattr(pipeline.verify, "check_residency", spy_check)
         loss = cm(*batch)
     pair, plan = seen["pair"], seen["plan"]
     assert real_check(pair, plan) == []  # no read, nor view, of a released parameter
@@ -271,6 +271,6 @@ def test_check_refuses_a_view_of_a_released_parameter():
 
     stale = dataclasses.replace(plan, params=(dataclasses.replace(p, fw_save_views=()),))
     param_residency.apply(pair, stale, step_nodes, 0)
-    errors = param_residency.check(pair, stale)
+    errors = verify.check_residency(pair, stale)
     assert any("view" in e and "while it is released" in e for e in errors), errors
     assert verify.VerificationError  # the backend raises it with these messages

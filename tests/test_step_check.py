@@ -1,4 +1,4 @@
-"""The runtime check of the first steps (offload_compiler/runtime/step_check.py).
+"""The runtime check of the first steps (offload_compiler/step_check.py).
 
 A kernel that allocates scratch its fake kernel does not show breaks a plan made from fake
 tensors. Here a custom op does it on purpose; the compiled code must measure the first step, see
@@ -16,12 +16,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from offload_compiler import measure_peak_device_bytes
+from offload_compiler import measure_peak_device_bytes, step_check
 from offload_compiler.graph_pair import GraphPair
 from offload_compiler.passes import liveness
 from offload_compiler.passes.margins import WorkspaceMargins, matches, op_key
 from offload_compiler.pipeline import InfeasibleBudgetError
-from offload_compiler.runtime import step_check
 
 from . import models
 from .test_e2e import PEAK_SLACK_BYTES, SideBySide

@@ -2,7 +2,7 @@
 
 The device figures are slowed down (1 GFLOP/s, 10 GB/s) so that the cost model finds these tiny
 models' kernels worth a side stream. ``fault_injection`` makes the backend run every multi-stream
-graph under the interleaving executor (``offload_compiler.runtime.interleave``): streams really
+graph under the interleaving executor (``offload_compiler.testing.interleave``): streams really
 interleave in random valid orders, freed and unwritten buffers read as NaN, copies are deferred to
 their waits. Losses and gradients must be bit-identical to ``aot_eager`` and to ``num_streams=1``.
 """

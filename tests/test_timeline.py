@@ -5,9 +5,9 @@ import json
 import torch
 
 from offload_compiler.devices import KNOWN_DEVICES
+from offload_compiler.ir.ops import EVICT, PREFETCH
 from offload_compiler.passes import cost_model, insert_transfers, liveness, plan_window
-from offload_compiler.passes.simulate import simulate_pair
-from offload_compiler.runtime.ops import EVICT, PREFETCH
+from offload_compiler.passes.pair_timeline import simulate_pair
 from offload_compiler.runtime.transfer import TransferRuntime
 
 from .graphs import capture_pair

@@ -4,9 +4,9 @@ message that names the problem."""
 import pytest
 import torch
 
+from offload_compiler.ir.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
 from offload_compiler.passes import insert_transfers, verify
 from offload_compiler.passes.verify import VerificationError
-from offload_compiler.runtime.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
 
 from ._pass_helpers import (
     EVERY,

@@ -52,10 +52,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..graph_pair import hint_int, tensor_vals
-from ..runtime.ops import (
+from ..ir.alias import tensor_span_bytes
+from ..ir.meta import NOTE_KEY, STREAM_KEY
+from ..ir.ops import (
     EVICT,
     EVICT_WAIT,
     PREFETCH,
@@ -66,8 +66,7 @@ from ..runtime.ops import (
     TRANSFER_OPS,
     WAIT_EVENT,
 )
-from ..runtime.transfer import span_bytes
-from .liveness import _schema_view_of
+from .storage_access import GraphAccess
 
 __all__ = [
     "EVENT_OVERHEAD_S",
@@ -83,126 +82,7 @@ __all__ = [
     "program_steps",
 ]
 
-STREAM_KEY = "trinity_stream"
 EVENT_OVERHEAD_S = 10e-6
-
-
-# ------------------------------------------------------------------------------ graph access
-def _storages(node: fx.Node) -> list:
-    out = []
-    for t in tensor_vals(node):
-        if t.layout != torch.strided:
-            continue
-        try:
-            out.append(StorageWeakRef(t.untyped_storage()))
-        except (RuntimeError, NotImplementedError):
-            continue
-    return out
-
-
-def _ordering_args(node: fx.Node) -> set[fx.Node]:
-    """The ``after`` arguments of the transfer ops (``prefetch``, ``prefetch_wait``,
-    ``evict_wait``): ordering edges for a scheduler, neither read nor written at run time
-    (``runtime/ops.py``). They still hold their tensor alive up to the op."""
-    if node.op != "call_function" or node.target not in TRANSFER_OPS:
-        return set()
-    schema = node.target._schema
-    out = set()
-    for i, arg in enumerate(schema.arguments):
-        if arg.name == "after":
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if isinstance(value, fx.Node):
-                out.add(value)
-    return out
-
-
-def _mutated_args(node: fx.Node) -> list[fx.Node]:
-    """The argument nodes an op writes (from its schema's alias annotations; a transfer op's
-    ``after`` ordering edge excluded)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    ordering = _ordering_args(node)
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        values = value if isinstance(value, (list, tuple)) else [value]
-        out.extend(v for v in values if isinstance(v, fx.Node) and v not in ordering)
-    return out
-
-
-@dataclass(frozen=True)
-class GraphAccess:
-    """Which buffers (storages) each node of one graph allocates, reads and writes.
-
-    Attributes:
-        nodes: the graph's nodes in program order.
-        views: nodes whose outputs all alias their inputs (views, ``getitem``): metadata only,
-            they read no data.
-        reads: per node, the storages whose data it reads (empty for views and placeholders;
-            a transfer op's ``after`` ordering edge is not a read).
-        writes: per node, the storages it writes (its fresh outputs, and mutated arguments).
-        allocator: per storage, the node that allocated it (a placeholder for inputs).
-        holder: per storage, the first node whose value is a tensor on it (a keep-alive handle).
-        last_use: per storage, the position of its last reader in program order (views count:
-            they hold the storage), or its allocator's position when nothing reads it.
-        escapes: the storages the output node returns (never freed inside the graph).
-    """
-
-    nodes: tuple[fx.Node, ...]
-    views: frozenset
-    reads: dict
-    writes: dict
-    allocator: dict
-    holder: dict
-    last_use: dict
-    escapes: frozenset
-
-    @staticmethod
-    def of(graph: fx.Graph, ignore: tuple = STREAM_OPS) -> GraphAccess:
-        """Analyse ``graph``; nodes whose target is in ``ignore`` are skipped entirely."""
-        nodes = tuple(n for n in graph.nodes if not (n.op == "call_function" and n.target in ignore))
-        pos = {n: i for i, n in enumerate(nodes)}
-        keys = {}
-        for n in nodes:
-            # A read-only alias by the op's schema (``detach``, ``t``, ``view``...) shares its
-            # input's storage even where its fake value does not (a ``detach`` recomputed into the
-            # backward carries the forward's fake tensor): aliasing comes from the schema first.
-            src = _schema_view_of(n, 0) if isinstance(n.meta.get("val"), torch.Tensor) else None
-            keys[n] = list(keys[src]) if src is not None and keys.get(src) else _storages(n)
-        views, reads, writes = set(), {}, {}
-        allocator, holder, last_use = {}, {}, {}
-        escapes = set()
-        for n in nodes:
-            in_keys = {k for m in n.all_input_nodes for k in keys.get(m, ())}
-            own = keys[n]
-            if n.op == "call_function" and own and all(k in in_keys for k in own):
-                views.add(n)
-            for k in own:
-                allocator.setdefault(k, n)
-                if isinstance(n.meta.get("val"), torch.Tensor):
-                    holder.setdefault(k, n)
-            if n.op == "output":
-                escapes |= in_keys
-                reads[n] = in_keys
-                writes[n] = set()
-                continue
-            for k in in_keys:
-                last_use[k] = pos[n]
-            if n.op != "call_function" or n in views:
-                reads[n] = set()
-                writes[n] = set(k for k in own if n.op == "placeholder")
-                continue
-            ordering = _ordering_args(n)
-            data = [m for m in n.all_input_nodes if m not in ordering]
-            reads[n] = {k for m in data for k in keys.get(m, ())}
-            mutated = {k for m in _mutated_args(n) for k in keys.get(m, ())}
-            writes[n] = {k for k in own if k not in in_keys} | mutated
-        for k, a in allocator.items():
-            last_use.setdefault(k, pos[a])
-        return GraphAccess(nodes, frozenset(views), reads, writes, allocator, holder, last_use, frozenset(escapes))
 
 
 def _evicted(access: GraphAccess) -> set:
@@ -234,9 +114,7 @@ def graph_seconds(gm: fx.GraphModule, spec, pinned: bool = True) -> tuple[dict, 
         seconds[n] = node_cost(n, spec, allow_tf32)[2]
         if n.op == "call_function" and n.target in (EVICT, PREFETCH):
             val = n.meta["val"]
-            nbytes = span_bytes(
-                tuple(hint_int(s) for s in val.shape), tuple(hint_int(s) for s in val.stride()), val.element_size()
-            )
+            nbytes = tensor_span_bytes(val)
             direction = "d2h" if n.target is EVICT else "h2d"
             copies[n] = nbytes / spec.transfer_bytes_per_s(direction, pinned)
     return seconds, copies
@@ -548,7 +426,7 @@ def _insert(graph: fx.Graph, where: str, anchor: fx.Node, target, args, note: st
     with ctx:
         node = graph.call_function(target, args)
     node.meta["val"] = None
-    node.meta["trinity"] = note
+    node.meta[NOTE_KEY] = note
     node.meta[STREAM_KEY] = stream
     return node
 

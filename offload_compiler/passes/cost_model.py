@@ -29,14 +29,13 @@ from typing import Literal
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
 from ..devices import DeviceSpec
 from ..graph_pair import GraphPair, hint_int, tensor_vals
+from ..ir.alias import storage_key, tensor_span_bytes
+from ..ir.ops import TRANSFER_OPS
 from ..options import TrinityOptions
-from ..runtime.ops import TRANSFER_OPS
-from ..runtime.transfer import span_bytes
 from .liveness import Liveness
 
 __all__ = [
@@ -113,10 +112,6 @@ def apply_overrides(spec: DeviceSpec, options: TrinityOptions) -> DeviceSpec:
     return replace(spec, **fields) if fields else spec
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    return span_bytes(tuple(hint_int(s) for s in t.shape), tuple(hint_int(s) for s in t.stride()), t.element_size())
-
-
 def _arg_val(a):
     if isinstance(a, fx.Node):
         return a.meta.get("val")
@@ -133,12 +128,9 @@ def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, i
     ins = [t for m in node.all_input_nodes for t in tensor_vals(m)]
     if not outs:
         return 0, 0, 0.0
-    in_storages = {StorageWeakRef(t.untyped_storage()) for t in ins if t.layout == torch.strided}
-    try:
-        if all(t.layout == torch.strided and StorageWeakRef(t.untyped_storage()) in in_storages for t in outs):
-            return 0, 0, 0.0  # a view: no kernel
-    except (RuntimeError, NotImplementedError):
-        pass
+    in_storages = {k for t in ins if (k := storage_key(t)) is not None}
+    if all((k := storage_key(t)) is not None and k in in_storages for t in outs):
+        return 0, 0, 0.0  # a view: no kernel
     flops = 0
     packet = getattr(node.target, "overloadpacket", None)
     if packet is not None and packet in flop_registry:
@@ -148,7 +140,7 @@ def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, i
             flops = hint_int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
         except Exception:  # a formula that cannot take these arguments: count bytes only
             flops = 0
-    nbytes = sum(_tensor_bytes(t) for t in ins) + sum(_tensor_bytes(t) for t in outs)
+    nbytes = sum(tensor_span_bytes(t) for t in ins) + sum(tensor_span_bytes(t) for t in outs)
     dtype = outs[0].dtype
     seconds = max(flops / spec.peak_flops(dtype, allow_tf32), nbytes / spec.hbm_bytes_per_s) + spec.launch_overhead_s
     return flops, nbytes, seconds

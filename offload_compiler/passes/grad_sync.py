@@ -23,16 +23,26 @@ Matches nodes by op target. Reads ``node.meta["val"]`` (storage identity of fake
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph_pair import GraphPair
-from ..runtime.grad_sync import GRAD_REDUCE, GRAD_REDUCE_WAIT, GRAD_SYNC_MARK, GradSync
-from ..runtime.param_ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT
+from ..ir.alias import storage_key
+from ..ir.meta import NOTE_KEY, PARAM_COPY_KEY
+from ..ir.ops import GRAD_REDUCE, GRAD_REDUCE_WAIT, GRAD_SYNC_MARK, GRAD_TO_HOST, GRAD_TO_HOST_WAIT
 
-__all__ = ["GradSyncRewrite", "apply"]
+__all__ = ["GradSyncRewrite", "GradSyncSpec", "apply"]
+
+
+class GradSyncSpec(Protocol):
+    """What :func:`apply` reads of the gradient sync it rewrites for (the runtime's
+    :class:`~offload_compiler.runtime.grad_sync.GradSync` is one)."""
+
+    id: int  # the sync's id, an argument of the inserted ops
+    slot_ids: frozenset[int]  # the parameter slots whose gradients are reduced
+    world_size: int  # ranks in the process group
 
 
 @dataclass(frozen=True)
@@ -46,12 +56,7 @@ class GradSyncRewrite:
 
 def _storage(node: fx.Node):
     val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        try:
-            return StorageWeakRef(val.untyped_storage())
-        except Exception:  # noqa: BLE001  (a value without a storage)
-            return None
-    return None
+    return storage_key(val) if isinstance(val, torch.Tensor) else None
 
 
 def _inplace_ok(g: fx.Node, issue: fx.Node, slot: int, order: dict[fx.Node, int]) -> bool:
@@ -78,7 +83,7 @@ def _inplace_ok(g: fx.Node, issue: fx.Node, slot: int, order: dict[fx.Node, int]
     return True
 
 
-def apply(pair: GraphPair, sync: GradSync) -> GradSyncRewrite:
+def apply(pair: GraphPair, sync: GradSyncSpec) -> GradSyncRewrite:
     """Rewrite ``pair`` in place for ``sync`` (module docstring); returns what was done."""
     fw = pair.forward.graph
     placeholders = list(fw.find_nodes(op="placeholder"))
@@ -90,7 +95,7 @@ def apply(pair: GraphPair, sync: GradSync) -> GradSyncRewrite:
         with fw.inserting_before(next(iter(fw.nodes))):
             mark = fw.call_function(GRAD_SYNC_MARK, (sync.id,))
     mark.meta["val"] = None
-    mark.meta["trinity"] = "records DDP's require_backward_grad_sync (no_sync) for this forward's backward"
+    mark.meta[NOTE_KEY] = "records DDP's require_backward_grad_sync (no_sync) for this forward's backward"
     bw = pair.backward.graph
     order = {n: i for i, n in enumerate(bw.nodes)}
     reduced = inplace_count = 0
@@ -105,13 +110,13 @@ def apply(pair: GraphPair, sync: GradSync) -> GradSyncRewrite:
         with bw.inserting_before(n):
             new = bw.call_function(GRAD_REDUCE, (g, slot, rt, sync.id, inplace))
         new.meta["val"] = None
-        new.meta["trinity"] = (
+        new.meta[NOTE_KEY] = (
             f"gradient (slot {slot}) x 1/{sync.world_size}, all-reduce issued"
             + (" in place" if inplace else " (in a copy)")
             + "; its D2H copy follows at the wait"
         )
-        if "trinity_param_copy" in n.meta:
-            new.meta["trinity_param_copy"] = n.meta["trinity_param_copy"]
+        if PARAM_COPY_KEY in n.meta:
+            new.meta[PARAM_COPY_KEY] = n.meta[PARAM_COPY_KEY]
         bw.erase_node(n)
         issues[slot] = new
         reduced += 1
@@ -125,7 +130,7 @@ def apply(pair: GraphPair, sync: GradSync) -> GradSyncRewrite:
         with bw.inserting_before(n):
             new = bw.call_function(GRAD_REDUCE_WAIT, (g, slot, rt, sync.id))
         new.meta["val"] = None
-        new.meta["trinity"] = f"all-reduce of the gradient (slot {slot}) done, D2H of the average done"
+        new.meta[NOTE_KEY] = f"all-reduce of the gradient (slot {slot}) done, D2H of the average done"
         bw.erase_node(n)
     for gm in (pair.forward, pair.backward):
         gm.graph.lint()

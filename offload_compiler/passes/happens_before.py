@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..runtime.ops import RECORD_EVENT, SET_STREAM, WAIT_EVENT
-from .assign_streams import STREAM_KEY, GraphAccess
+from ..ir.meta import STREAM_KEY
+from ..ir.ops import RECORD_EVENT, SET_STREAM, WAIT_EVENT
+from .storage_access import GraphAccess
 
 __all__ = ["check_streams", "has_streams"]
 

@@ -36,13 +36,12 @@ import torch
 import torch.fx as fx
 
 from ..graph_pair import GraphPair, fake_mode_of
+from ..ir.meta import NOTE_KEY, RECOMPUTE_KEY
 from .insert_transfers import _set_val
 from .liveness import Liveness
 from .recompute_chains import RNG_STATE_SUFFIX, Chain
 
 __all__ = ["apply", "RECOMPUTE_KEY", "copy_pair"]
-
-RECOMPUTE_KEY = "trinity_recompute"
 
 
 class _DetachedGraph:
@@ -141,7 +140,7 @@ def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain]) -> dict[
             result = fw.call_function(operator.getitem, (both, 1))
             result.meta["val"] = val
         for n in (both, state, result):
-            n.meta["trinity"] = f"generator state saved for the recomputation of {name}"
+            n.meta[NOTE_KEY] = f"generator state saved for the recomputation of {name}"
         rng_orig[name] = (node.target, node.args, dict(node.kwargs), val)
         rng_result[result.name] = name
         node.replace_all_uses_with(result)
@@ -184,7 +183,7 @@ def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain]) -> dict[
         if ph.name != name:
             raise ValueError(f"insert_recompute: the backward already has a node named {name!r}")
         _set_val(ph, src.meta["val"])
-        ph.meta["trinity"] = "saved for a recomputation"
+        ph.meta[NOTE_KEY] = "saved for a recomputation"
         bw_ph[name] = ph
         after_ph = ph
         counts["new_saved"] += 1
@@ -237,7 +236,7 @@ def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain]) -> dict[
                     new.meta["val"] = val
                 else:
                     new = bw.node_copy(fw_by_name[name], arg)
-            new.meta["trinity"] = f"recomputed for saved {what}"
+            new.meta[NOTE_KEY] = f"recomputed for saved {what}"
             new.meta[RECOMPUTE_KEY] = c.buffer
             new.meta["autograd_backward"] = True
             env[name] = new

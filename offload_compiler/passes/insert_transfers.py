@@ -31,9 +31,11 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph_pair import GraphPair, fake_mode_of, is_rng_state, tensor_vals
+from ..ir.alias import is_view
+from ..ir.meta import NOTE_KEY
+from ..ir.ops import EVICT, EVICT_WAIT, FENCE, PREFETCH, PREFETCH_WAIT, TRANSFER_OPS
 from ..options import format_bytes
-from ..runtime.ops import EVICT, EVICT_WAIT, FENCE, PREFETCH, PREFETCH_WAIT, TRANSFER_OPS
-from .liveness import Liveness, fused_chain_end
+from .liveness import Buffer, Liveness, fused_chain_end
 from .plan_window import Plan
 
 __all__ = ["apply"]
@@ -88,10 +90,16 @@ def _refresh_aliases(graph: fx.Graph, new_nodes, fake_mode) -> None:
             fresh.add(n)
 
 
-def _is_view_node(node: fx.Node) -> bool:
-    outs = {StorageWeakRef(t.untyped_storage()) for t in tensor_vals(node)}
-    ins = {StorageWeakRef(t.untyped_storage()) for m in node.all_input_nodes for t in tensor_vals(m)}
-    return bool(outs) and outs <= ins
+def _holders(buf: Buffer, graph_name: str, by_name: dict[str, fx.Node]) -> list[fx.Node]:
+    """The nodes of one graph (``by_name``: its nodes by name) that hold ``buf``, in liveness's
+    order; holders no longer in the graph (removed as dead) are left out. Liveness names holders
+    ``"forward:name"`` / ``"backward:name"`` (:attr:`.liveness.Buffer.nodes`)."""
+    out = []
+    for holder in buf.nodes:
+        tag, _, name = holder.partition(":")
+        if tag == graph_name and name in by_name:
+            out.append(by_name[name])
+    return out
 
 
 class _OrderingEdges:
@@ -108,13 +116,10 @@ class _OrderingEdges:
         self.fused: set[fx.Node] = set()
         for b in liveness.buffers:
             end = min(b.last_step, evicted_until.get(b.id, b.last_step))
-            for holder in b.nodes:
-                tag, _, name = holder.partition(":")
-                if tag == graph_name and name in by_name:
-                    node = by_name[name]
-                    self.alive[node] = (b.def_step, end)
-                    if b.fused:
-                        self.fused.add(node)
+            for node in _holders(b, graph_name, by_name):
+                self.alive[node] = (b.def_step, end)
+                if b.fused:
+                    self.fused.add(node)
 
     def before(self, node: fx.Node, step: int) -> fx.Node | None:
         """The edge for an op placed after ``node`` and alive-checked at joint step ``step``."""
@@ -129,7 +134,7 @@ class _OrderingEdges:
                 and span is not None
                 and span[0] <= step <= span[1]
                 and isinstance(node.meta.get("val"), torch.Tensor)
-                and not _is_view_node(node)
+                and not is_view(node)
             ):
                 return node
             node = node.prev
@@ -201,7 +206,7 @@ def _is_multi_output(node: fx.Node) -> bool:
 
 
 def _insert_fences(fw_graph: fx.Graph, liveness: Liveness, plan: Plan, host_of: dict) -> int:
-    """Put a ``trinity::fence`` after every forward reader of an evicted buffer (see ops.py), so
+    """Put a ``trinity::fence`` after every forward reader of an evicted buffer (see ``ir/ops.py``), so
     Inductor orders it before the buffer's waits. A reader fused into its only reader is fenced
     where the fused chain ends (fencing it directly would make Inductor materialise it).
 
@@ -216,11 +221,7 @@ def _insert_fences(fw_graph: fx.Graph, liveness: Liveness, plan: Plan, host_of: 
     for ev in plan.evictions:
         buf = liveness.buffers[ev.buffer]
         # Holders removed as dead (saved-only views the host copy replaced) are skipped.
-        aliases = {
-            by_name[name]
-            for tag, _, name in (x.partition(":") for x in buf.nodes)
-            if tag == "forward" and name in by_name
-        }
+        aliases = set(_holders(buf, "forward", by_name))
         hosts = [host_of[id(g)] for g in ev.groups]
         skip = set(hosts) | aliases
         readers = []
@@ -245,7 +246,7 @@ def _insert_fences(fw_graph: fx.Graph, liveness: Liveness, plan: Plan, host_of: 
             with fw_graph.inserting_after(after):
                 fence = fw_graph.call_function(FENCE, (hosts, r))
             _set_val(fence, None)
-            fence.meta["trinity"] = f"reader of evicted buffer {ev.buffer} done before its wait"
+            fence.meta[NOTE_KEY] = f"reader of evicted buffer {ev.buffer} done before its wait"
             order = {n: i for i, n in enumerate(fw_graph.nodes)}
             count += 1
     return count
@@ -273,16 +274,25 @@ def apply(
     """
     fw_nodes = list(pair.forward.graph.nodes)
     bw_nodes = list(pair.backward.graph.nodes)
-    F = len(fw_nodes)
-    if F + len(bw_nodes) != liveness.num_steps:
+    if len(fw_nodes) + len(bw_nodes) != liveness.num_steps:
         raise ValueError("insert_transfers: the graphs do not match the liveness the plan was made on")
     fake_mode = fake_mode_of(pair.forward, pair.backward)
-    fw_out = pair.fw_output_node()
-    outputs = list(pair.fw_outputs())
-    bw_placeholders = {n.name: n for n in pair.backward.graph.find_nodes(op="placeholder")}
+    fw_after, bw_before = _gaps(plan)
+    counts = {"evict": 0, "evict_wait": 0, "prefetch": 0, "prefetch_wait": 0}
+    host_of = _insert_evictions(pair, liveness, plan, fw_nodes, fw_after, runtime_id, fake_mode, counts)
+    if fence_readers:
+        counts["fence"] = _insert_fences(pair.forward.graph, liveness, plan, host_of)
+    _insert_prefetches(pair, liveness, plan, len(fw_nodes), bw_nodes, bw_before, runtime_id, fake_mode, counts)
+    for gm in (pair.forward, pair.backward):
+        gm.graph.lint()
+        gm.recompile()
+    return counts
 
-    # Collect the insertions per gap so issues precede waits at each gap.
-    fw_after: dict[int, list] = {}  # step -> [("issue"|"wait", payload)]
+
+def _gaps(plan: Plan) -> tuple[dict[int, list], dict[int, list]]:
+    """The insertions per gap, ``step -> [("issue" | "wait", eviction, group)]``: after forward
+    steps and before backward steps (so that issues can precede waits at each gap)."""
+    fw_after: dict[int, list] = {}
     bw_before: dict[int, list] = {}
     for ev in plan.evictions:
         for g in ev.groups:
@@ -290,13 +300,31 @@ def apply(
             fw_after.setdefault(ev.wait_after, []).append(("wait", ev, g))
             bw_before.setdefault(ev.prefetch_before, []).append(("issue", ev, g))
             bw_before.setdefault(g.wait_before, []).append(("wait", ev, g))
+    return fw_after, bw_before
 
-    counts = {"evict": 0, "evict_wait": 0, "prefetch": 0, "prefetch_wait": 0}
-    fw_edges = _OrderingEdges(liveness, plan, "forward", pair.forward.graph)
-    bw_edges = _OrderingEdges(liveness, plan, "backward", pair.backward.graph)
+
+def _insert_evictions(
+    pair: GraphPair,
+    liveness: Liveness,
+    plan: Plan,
+    fw_nodes: list[fx.Node],
+    fw_after: dict[int, list],
+    runtime_id: int,
+    fake_mode,
+    counts: dict[str, int],
+) -> dict[int, fx.Node]:
+    """The forward's ``evict`` (with the view it copies, where that is not a holder's own) and
+    ``evict_wait`` nodes; the forward then returns the host tensors in place of the saved ones,
+    and the saved-only views they replaced are removed. Returns ``id(group) -> host node``.
+
+    Raises:
+        ValueError: for a forward step that is not a node before the output.
+    """
+    F = len(fw_nodes)
+    fw_graph = pair.forward.graph
+    fw_edges = _OrderingEdges(liveness, plan, "forward", fw_graph)
     host_of: dict[int, fx.Node] = {}  # id(group) -> host node in the forward
     src_of: dict[int, fx.Node] = {}
-    fw_graph = pair.forward.graph
     last_at: dict[fx.Node, fx.Node] = {}  # anchor -> the last node inserted after it
     for step in sorted(fw_after):
         if not (0 <= step < F - 1):
@@ -324,13 +352,13 @@ def apply(
                         cover = fw_graph.call_function(torch.ops.aten.as_strided.default, (src, *view_args))
                     with fake_mode:
                         _set_val(cover, torch.ops.aten.as_strided.default(src.meta["val"], *view_args))
-                    cover.meta["trinity"] = note
+                    cover.meta[NOTE_KEY] = note
                     cursor = src = cover
                 with fw_graph.inserting_after(cursor):
                     host = fw_graph.call_function(EVICT, (src, runtime_id))
                 with fake_mode:
                     _set_val(host, EVICT(src.meta["val"], runtime_id))
-                host.meta["trinity"] = f"evict {format_bytes(g.copy_bytes)} of buffer {ev.buffer} to host"
+                host.meta[NOTE_KEY] = f"evict {format_bytes(g.copy_bytes)} of buffer {ev.buffer} to host"
                 host_of[id(g)] = host
                 src_of[id(g)] = src
                 counts["evict"] += 1
@@ -341,10 +369,12 @@ def apply(
                 with fw_graph.inserting_after(cursor):
                     w = fw_graph.call_function(EVICT_WAIT, (host, src, runtime_id, after))
                 _set_val(w, None)
-                w.meta["trinity"] = f"D2H done; buffer {ev.buffer} freed after this"
+                w.meta[NOTE_KEY] = f"D2H done; buffer {ev.buffer} freed after this"
                 counts["evict_wait"] += 1
                 cursor = w
         last_at[anchor] = cursor
+    fw_out = pair.fw_output_node()
+    outputs = list(pair.fw_outputs())
     for ev in plan.evictions:
         for g in ev.groups:
             for i in g.saved:
@@ -353,10 +383,30 @@ def apply(
     # Saved views the host copies replaced (e.g. a late ``detach`` of an evicted activation) are
     # dead now; left in, they would read the evicted storage after it was freed.
     fw_graph.eliminate_dead_code()
-    if fence_readers:
-        counts["fence"] = _insert_fences(fw_graph, liveness, plan, host_of)
+    return host_of
 
+
+def _insert_prefetches(
+    pair: GraphPair,
+    liveness: Liveness,
+    plan: Plan,
+    F: int,
+    bw_nodes: list[fx.Node],
+    bw_before: dict[int, list],
+    runtime_id: int,
+    fake_mode,
+    counts: dict[str, int],
+) -> None:
+    """The backward's ``prefetch`` and ``prefetch_wait`` nodes: the saved placeholders become
+    host tensors, their readers read the prefetched tensor (or, for a span, the views rebuilt from
+    it after the wait).
+
+    Raises:
+        ValueError: for a backward step that is not a compute node.
+    """
     bw_graph = pair.backward.graph
+    bw_placeholders = {n.name: n for n in bw_graph.find_nodes(op="placeholder")}
+    bw_edges = _OrderingEdges(liveness, plan, "backward", bw_graph)
     dev_of: dict[int, fx.Node] = {}
     rebuilt: list[fx.Node] = []
     for step in sorted(bw_before):
@@ -376,13 +426,13 @@ def apply(
                     else:
                         host_val = torch.empty_strided(old.size(), old.stride(), dtype=old.dtype, device="cpu")
                 _set_val(ph, host_val)
-                ph.meta["trinity"] = "host copy of a saved activation"
+                ph.meta[NOTE_KEY] = "host copy of a saved activation"
                 after = bw_edges.before(anchor.prev, step)
                 with bw_graph.inserting_before(anchor):
                     dev = bw_graph.call_function(PREFETCH, (ph, old.device, runtime_id, after))
                 with fake_mode:
                     _set_val(dev, PREFETCH(host_val, old.device, runtime_id, after.meta["val"] if after else None))
-                dev.meta["trinity"] = f"prefetch {format_bytes(g.copy_bytes)} of buffer {ev.buffer}"
+                dev.meta[NOTE_KEY] = f"prefetch {format_bytes(g.copy_bytes)} of buffer {ev.buffer}"
                 dev_of[id(g)] = dev
                 counts["prefetch"] += 1
                 if g.layout == "view":
@@ -398,21 +448,10 @@ def apply(
                 with bw_graph.inserting_before(anchor):
                     w = bw_graph.call_function(PREFETCH_WAIT, (dev, runtime_id, after))
                 _set_val(w, None)
-                w.meta["trinity"] = "H2D done"
+                w.meta[NOTE_KEY] = "H2D done"
                 counts["prefetch_wait"] += 1
                 if g.layout == "span":
-                    # Rebuild each saved view from the prefetched span, after the wait.
-                    for i in g.saved:
-                        st = liveness.saved[i]
-                        other = bw_placeholders[st.bw_node]
-                        args = (dev, list(st.shape), list(st.stride), st.storage_offset - g.span_offset)
-                        with bw_graph.inserting_before(anchor):
-                            view = bw_graph.call_function(torch.ops.aten.as_strided.default, args)
-                        with fake_mode:
-                            _set_val(view, torch.ops.aten.as_strided.default(dev.meta["val"], *args[1:]))
-                        view.meta["trinity"] = f"saved view {st.fw_node} rebuilt from the prefetched span"
-                        other.replace_all_uses_with(view, delete_user_cb=lambda user: user.target is not PREFETCH)
-                        rebuilt.append(view)
+                    rebuilt += _rebuild_span_views(bw_graph, liveness, g, dev, anchor, bw_placeholders, fake_mode)
     # Placeholders of a group other than the one prefetched are unused now; give them the same
     # host value so the graph's input signature stays consistent.
     for ev in plan.evictions:
@@ -421,7 +460,23 @@ def apply(
             for i in g.saved[1:]:
                 _set_val(bw_placeholders[liveness.saved[i].bw_node], host_val)
     _refresh_aliases(bw_graph, list(dev_of.values()) + rebuilt, fake_mode)
-    for gm in (pair.forward, pair.backward):
-        gm.graph.lint()
-        gm.recompile()
-    return counts
+
+
+def _rebuild_span_views(
+    bw_graph: fx.Graph, liveness: Liveness, g, dev: fx.Node, anchor: fx.Node, bw_placeholders: dict, fake_mode
+) -> list[fx.Node]:
+    """Each saved view of span group ``g``, rebuilt from the prefetched span ``dev`` before
+    ``anchor`` (after the wait); their readers read the rebuilt views. Returns the views."""
+    views = []
+    for i in g.saved:
+        st = liveness.saved[i]
+        other = bw_placeholders[st.bw_node]
+        args = (dev, list(st.shape), list(st.stride), st.storage_offset - g.span_offset)
+        with bw_graph.inserting_before(anchor):
+            view = bw_graph.call_function(torch.ops.aten.as_strided.default, args)
+        with fake_mode:
+            _set_val(view, torch.ops.aten.as_strided.default(dev.meta["val"], *args[1:]))
+        view.meta[NOTE_KEY] = f"saved view {st.fw_node} rebuilt from the prefetched span"
+        other.replace_all_uses_with(view, delete_user_cb=lambda user: user.target is not PREFETCH)
+        views.append(view)
+    return views

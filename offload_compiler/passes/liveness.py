@@ -34,12 +34,10 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..graph_pair import GraphPair, hint_int, is_rng_state, tensor_vals
-from ..runtime.ops import EVICT, PREFETCH
-from ..runtime.param_ops import PARAM_FETCH, PARAM_RELEASE
-from ..runtime.transfer import span_bytes
+from ..ir.alias import plain_tensors, schema_view_of, span_bytes, tensor_span_bytes
+from ..ir.ops import EVICT, PARAM_FETCH, PARAM_RELEASE, PREFETCH
 from .margins import WorkspaceMargins
 
 __all__ = [
@@ -348,7 +346,7 @@ def _workspace(node: fx.Node) -> int:
         t = arg.meta.get("val") if isinstance(arg, fx.Node) else None
     if not isinstance(t, torch.Tensor):
         return 0
-    nbytes = span_bytes(tuple(hint_int(x) for x in t.shape), tuple(hint_int(x) for x in t.stride()), t.element_size())
+    nbytes = tensor_span_bytes(t)
     return int(factor * nbytes)
 
 
@@ -365,11 +363,6 @@ def _view_exprs(t: torch.Tensor) -> tuple:
         return v.node.expr if isinstance(v, torch.SymInt) else int(v)
 
     return (tuple(ex(v) for v in t.shape), tuple(ex(v) for v in t.stride()), ex(t.storage_offset()), t.dtype)
-
-
-def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors liveness can account: plain, strided (not subclasses, not sparse)."""
-    return [t for t in tensors if not is_traceable_wrapper_subclass(t) and t.layout == torch.strided]
 
 
 def _alias_reader_steps(root: fx.Node, node_keys: dict, node_step: dict, reader_step) -> tuple[int, int] | None:
@@ -392,24 +385,6 @@ def _alias_reader_steps(root: fx.Node, node_keys: dict, node_step: dict, reader_
                 seen.add(user)
                 frontier.append(user)
     return None if first is None else (first, last)
-
-
-def _schema_view_of(node: fx.Node, index: int) -> fx.Node | None:
-    """The input node whose storage output ``index`` of ``node`` shares according to the op's
-    schema (``Tensor(a) self -> Tensor(a)``, a read-only alias), or ``None``."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return None
-    schema = node.target._schema
-    rets = schema.returns
-    if not rets:
-        return None
-    ret = rets[0] if len(rets) == 1 else (rets[index] if index < len(rets) else None)
-    if ret is None or ret.alias_info is None or ret.alias_info.is_write:
-        return None
-    for arg, value in zip(schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.before_set & ret.alias_info.before_set:
-            return value if isinstance(value, fx.Node) else None
-    return None
 
 
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d"})
@@ -461,13 +436,72 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
     :attr:`Buffer.fused`). With ``margins`` (workspace measured on this machine, see
     :mod:`.margins`), a node's workspace is the larger of :data:`_WORKSPACE`'s and the measured one.
 
+    The phases, one function each: the joint schedule (:func:`_schedule`), storage keys and their
+    union across the saved links (:func:`_storage_keys`), buffer kinds (:func:`_buffer_kinds`),
+    save-only views (:func:`_save_only_views`), fused temporaries (:func:`_fused_nodes`),
+    definitions and uses (:func:`_defs_and_uses`), collectives' storages
+    (:func:`_collective_roots`), parameter residency (:func:`_resident_intervals`), saved tensors
+    (:func:`_saved_tensors`) and buffers (:func:`_buffers`).
+
     Raises:
-        ValueError: if a node's ``meta["val"]`` is missing where a tensor is expected (the graph
-            was not traced with fake tensors).
+        ValueError: if a node's ``meta["val"]`` is missing where a tensor is expected (the graphs
+            were not traced with fake tensors).
     """
     device = graph_device(pair)
     fw_nodes = list(pair.forward.graph.nodes)
     bw_nodes = list(pair.backward.graph.nodes)
+    sched = _schedule(fw_nodes, bw_nodes)
+    links = pair.saved_links()
+    keys = _storage_keys(fw_nodes, bw_nodes, links)
+    kind_of = _buffer_kinds(pair, fw_nodes, keys, links)
+    save_only = _save_only_views(fw_nodes, keys.node_keys)
+    fused_nodes = _fused_nodes(sched.nodes, keys, kind_of) if assume_fusion else set()
+
+    def reader_step(n: fx.Node) -> int:
+        return sched.node_step[fused_chain_end(n, fused_nodes)]
+
+    roots = _defs_and_uses(sched, keys, save_only, reader_step)
+    saved, saved_of_root = _saved_tensors(
+        links, keys, kind_of, roots, sched.node_step, device, _collective_roots(sched.nodes, keys), reader_step
+    )
+    buffers = _buffers(
+        roots, keys, kind_of, saved_of_root, _resident_intervals(sched, keys), fused_nodes, sched, device
+    )
+    return Liveness(
+        steps=sched.steps,
+        num_fw_steps=sched.num_fw,
+        buffers=tuple(buffers),
+        saved=tuple(saved),
+        device=str(device),
+        workspace_bytes=tuple(
+            max(_workspace(n), margins.node_bytes(n)) if margins is not None else _workspace(n) for n in sched.nodes
+        ),
+        step_of=sched.step_of,
+        save_only_steps=frozenset(sched.node_step[n] for n in save_only),
+    )
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """The joint schedule: forward nodes (steps ``0 .. num_fw-1``), then backward nodes."""
+
+    nodes: list[fx.Node]
+    num_fw: int
+    steps: tuple[Step, ...]
+    step_of: dict[tuple[str, str], int]
+    node_step: dict[fx.Node, int]
+
+    @property
+    def last(self) -> int:
+        return len(self.nodes) - 1
+
+
+def _schedule(fw_nodes: list[fx.Node], bw_nodes: list[fx.Node]) -> _Schedule:
+    """The joint schedule of the two graphs' nodes.
+
+    Raises:
+        ValueError: for a node without ``meta["val"]`` (see :func:`analyze`).
+    """
     for graph_name, nodes in (("forward", fw_nodes), ("backward", bw_nodes)):
         for n in nodes:
             if n.op in ("call_function", "placeholder") and "val" not in n.meta:
@@ -476,9 +510,6 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
                     "graphs must be traced with fake tensors (as AOTAutograd does)"
                 )
     num_fw = len(fw_nodes)
-    total = num_fw + len(bw_nodes)
-    last = total - 1
-
     steps: list[Step] = []
     step_of: dict[tuple[str, str], int] = {}
     node_step: dict[fx.Node, int] = {}
@@ -488,13 +519,31 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
             steps.append(Step(s, graph_name, n.name, _op_name(n), n.op == "placeholder", n.op == "output"))
             step_of[(graph_name, n.name)] = s
             node_step[n] = s
+    return _Schedule(fw_nodes + bw_nodes, num_fw, tuple(steps), step_of, node_step)
 
-    # Storage keys per node. Aliasing is derived per graph from the graph's structure: an op's
-    # output is a view of an input when their fake storages are the same, else it is a fresh
-    # allocation of that node. (Fake storages cannot be compared across the two graphs: the
-    # partitioner copies recomputed nodes into the backward with the forward's fake values.)
-    # Placeholders that alias each other share a key. The two graphs are joined only where a
-    # saved tensor crosses: forward output <-> backward placeholder.
+
+@dataclass(frozen=True)
+class _Keys:
+    """Storage keys per node (one per plain tensor of its value) and their union-find: the root
+    of a key is its buffer."""
+
+    uf: _UnionFind
+    node_keys: dict[fx.Node, list]
+    key_tensor: dict
+
+    def roots(self, node: fx.Node) -> list:
+        return [self.uf.find(k) for k in self.node_keys.get(node, ())]
+
+
+def _storage_keys(fw_nodes: list[fx.Node], bw_nodes: list[fx.Node], links: list) -> _Keys:
+    """Storage keys per node, by the IR's aliasing rule (:mod:`offload_compiler.ir.alias`).
+
+    Aliasing is derived per graph from the graph's structure: an op's output is a view of an input
+    when their fake storages are the same, else it is a fresh allocation of that node. (Fake
+    storages cannot be compared across the two graphs: the partitioner copies recomputed nodes
+    into the backward with the forward's fake values.) Placeholders that alias each other share a
+    key. The two graphs are joined only where a saved tensor crosses: forward output <-> backward
+    placeholder."""
     uf = _UnionFind()
     node_keys: dict[fx.Node, list] = {}
     key_tensor: dict = {}
@@ -504,15 +553,15 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
             input_keys: dict = {}
             if n.op != "placeholder":
                 for m in n.all_input_nodes:
-                    for t, k in zip(_plain(tensor_vals(m)), node_keys.get(m, ())):
+                    for t, k in zip(plain_tensors(tensor_vals(m)), node_keys.get(m, ())):
                         input_keys.setdefault(StorageWeakRef(t.untyped_storage()), k)
-            for i, t in enumerate(_plain(tensor_vals(n))):
+            for i, t in enumerate(plain_tensors(tensor_vals(n))):
                 st = StorageWeakRef(t.untyped_storage())
                 if n.op == "placeholder":
                     k = ("placeholder", graph_name, st)
                 elif st in input_keys:
                     k = input_keys[st]
-                elif (src := _schema_view_of(n, i)) is not None and len(node_keys.get(src, ())) == 1:
+                elif (src := schema_view_of(n, i)) is not None and len(node_keys.get(src, ())) == 1:
                     # A view op whose fake value came from the other graph (a recomputed node):
                     # its schema still says whose storage it shares.
                     k = node_keys[src][0]
@@ -522,18 +571,20 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
                 key_tensor.setdefault(k, t)
                 keys.append(k)
             node_keys[n] = keys
-    links = pair.saved_links()
     for link in links:
         ph = link.bw_placeholder
         if ph is not None and node_keys.get(link.fw_node) and node_keys.get(ph):
             uf.union(node_keys[link.fw_node][0], node_keys[ph][0])
+    return _Keys(uf, node_keys, key_tensor)
 
-    # Kinds from AOTAutograd's bookkeeping.
+
+def _buffer_kinds(pair: GraphPair, fw_nodes: list[fx.Node], keys: _Keys, links: list) -> dict:
+    """``root -> BufferKind`` from AOTAutograd's bookkeeping (never from names); where aliases
+    disagree the first kind in :data:`_PRIORITY` wins."""
     kind_of: dict = {}
 
     def mark(node: fx.Node, kind: BufferKind) -> None:
-        for k in node_keys.get(node, ()):
-            r = uf.find(k)
+        for r in keys.roots(node):
             old = kind_of.get(r)
             if old is None or _PRIORITY.index(kind) < _PRIORITY.index(old):
                 kind_of[r] = kind
@@ -562,9 +613,12 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
     for n in pair.backward.graph.find_nodes(op="placeholder"):
         if n not in saved_placeholders:
             mark(n, BufferKind.TANGENT)
+    return kind_of
 
-    # Views that exist only to be saved (the partitioner's late ``detach`` of an activation): their
-    # reads are not forward uses for eviction planning; the rewrite replaces and removes them.
+
+def _save_only_views(fw_nodes: list[fx.Node], node_keys: dict) -> set[fx.Node]:
+    """Views that exist only to be saved (the partitioner's late ``detach`` of an activation):
+    their reads are not forward uses for eviction planning; the rewrite replaces and removes them."""
     save_only: set[fx.Node] = set()
     for n in reversed(fw_nodes):
         if n.op != "call_function" or not n.users or not node_keys.get(n):
@@ -572,36 +626,40 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
         in_keys = {k for m in n.all_input_nodes for k in node_keys.get(m, ())}
         if set(node_keys[n]) <= in_keys and all(u.op == "output" or u in save_only for u in n.users):
             save_only.add(n)
+    return save_only
 
-    # With fusion, a pointwise node whose only reader is pointwise or a reduction is computed
-    # inside that reader's kernel: it is never allocated, and what it reads is read where the
-    # chain of such nodes ends.
-    fused_nodes: set[fx.Node] = set()
-    if assume_fusion:
-        holders: dict = {}
-        for n in fw_nodes + bw_nodes:
-            for k in node_keys[n]:
-                holders.setdefault(uf.find(k), set()).add(n)
-        for n in fw_nodes + bw_nodes:
-            keys = node_keys.get(n)
-            if (
-                keys
-                and len(keys) == 1
-                and kind_of.get(uf.find(keys[0]), BufferKind.TEMPORARY) is BufferKind.TEMPORARY
-                and holders[uf.find(keys[0])] == {n}
-                and _fusible(n)
-            ):
-                fused_nodes.add(n)
 
-    def reader_step(n: fx.Node) -> int:
-        return node_step[fused_chain_end(n, fused_nodes)]
+def _fused_nodes(nodes: list[fx.Node], keys: _Keys, kind_of: dict) -> set[fx.Node]:
+    """With fusion, a pointwise node whose only reader is pointwise or a reduction is computed
+    inside that reader's kernel: it is never allocated, and what it reads is read where the chain
+    of such nodes ends. Only temporaries held by that node alone."""
+    holders: dict = {}
+    for n in nodes:
+        for r in keys.roots(n):
+            holders.setdefault(r, set()).add(n)
+    fused: set[fx.Node] = set()
+    for n in nodes:
+        node_keys = keys.node_keys.get(n)
+        if (
+            node_keys
+            and len(node_keys) == 1
+            and kind_of.get(keys.uf.find(node_keys[0]), BufferKind.TEMPORARY) is BufferKind.TEMPORARY
+            and holders[keys.uf.find(node_keys[0])] == {n}
+            and _fusible(n)
+        ):
+            fused.add(n)
+    return fused
 
-    # Definitions and uses.
+
+def _defs_and_uses(sched: _Schedule, keys: _Keys, save_only: set[fx.Node], reader_step) -> dict:
+    """``root -> {"def", "uses", "nodes", "fw_uses", "bw_uses", "source", "source_any"}``: where each
+    buffer is first held, every step that reads it (forward and backward uses apart, save-only
+    views and graph outputs not counted as either), the nodes holding it, and its source node."""
+    num_fw = sched.num_fw
     roots: dict = {}
-    for n in fw_nodes + bw_nodes:
-        s = node_step[n]
-        for k in node_keys[n]:
-            r = uf.find(k)
+    for n in sched.nodes:
+        s = sched.node_step[n]
+        for r in keys.roots(n):
             info = roots.setdefault(
                 r, {"def": s, "uses": [], "nodes": [], "fw_uses": [], "bw_uses": [], "source": None, "source_any": n}
             )
@@ -616,8 +674,7 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
         read_first, read_last = s, reader_step(n)
         seen_roots = set()
         for m in n.all_input_nodes:
-            for k in node_keys.get(m, ()):
-                r = uf.find(k)
+            for r in keys.roots(m):
                 if r in seen_roots or r not in roots:
                     continue
                 seen_roots.add(r)
@@ -628,25 +685,33 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
                         info["fw_uses"].append(read_last)
                     else:
                         info["bw_uses"].append(read_first)
+    return roots
 
-    # Storages a collective reads or writes: the collective runs on its own stream (NCCL), which
-    # trinity's copies are not ordered with, so such tensors stay on the device.
+
+def _collective_roots(nodes: list[fx.Node], keys: _Keys) -> dict:
+    """``root -> collective node`` for storages a collective reads or writes: the collective runs
+    on its own stream (NCCL), which trinity's copies are not ordered with, so such tensors stay
+    on the device."""
     collective_of_root: dict = {}
-    for n in fw_nodes + bw_nodes:
+    for n in nodes:
         if _is_collective(n):
             for m in (*n.all_input_nodes, n):
-                for k in node_keys.get(m, ()):
-                    collective_of_root.setdefault(uf.find(k), n)
+                for r in keys.roots(m):
+                    collective_of_root.setdefault(r, n)
+    return collective_of_root
 
-    # Parameter offload (rewritten graphs): where each fetched parameter's storage is resident.
+
+def _resident_intervals(sched: _Schedule, keys: _Keys) -> dict:
+    """Parameter offload (rewritten graphs): ``root -> ((first, last), ...)``, the steps where each
+    fetched parameter's storage is resident (see :attr:`Buffer.resident_steps`)."""
     param_events: dict = {}  # root -> [(step, is_fetch, write_back)]
-    for n in fw_nodes + bw_nodes:
+    for n in sched.nodes:
         if n.op == "call_function" and n.target in (PARAM_FETCH, PARAM_RELEASE) and n.args:
-            keys = node_keys.get(n.args[0]) if isinstance(n.args[0], fx.Node) else None
-            if keys:
+            node_keys = keys.node_keys.get(n.args[0]) if isinstance(n.args[0], fx.Node) else None
+            if node_keys:
                 write_back = n.target is PARAM_RELEASE and bool(n.args[2])
-                param_events.setdefault(uf.find(keys[0]), []).append(
-                    (node_step[n], n.target is PARAM_FETCH, write_back)
+                param_events.setdefault(keys.uf.find(node_keys[0]), []).append(
+                    (sched.node_step[n], n.target is PARAM_FETCH, write_back)
                 )
     resident_of_root: dict = {}
     for r, events in param_events.items():
@@ -659,21 +724,34 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
                 intervals.append((start, s))
                 start = None
         if start is not None:
-            intervals.append((start, last))
+            intervals.append((start, sched.last))
         # A parameter never fetched is never resident: an empty interval (not "the whole step").
         resident_of_root[r] = tuple(intervals) if intervals else ((0, -1),)
+    return resident_of_root
 
+
+def _saved_tensors(
+    links: list,
+    keys: _Keys,
+    kind_of: dict,
+    roots: dict,
+    node_step: dict,
+    device: torch.device,
+    collective_of_root: dict,
+    reader_step,
+) -> tuple[list[SavedTensor], dict]:
+    """The saved tensors (whether each is evictable, and why not) and ``root -> [saved index]``."""
     root_id = {r: i for i, r in enumerate(roots)}
     saved_of_root: dict = {}
     saved: list[SavedTensor] = []
     for j, link in enumerate(links):
-        keys = node_keys.get(link.fw_node) or []
+        node_keys = keys.node_keys.get(link.fw_node) or []
         val = link.fw_node.meta.get("val")
         ph = link.bw_placeholder
         reason = ""
-        if not keys:
+        if not node_keys:
             reason = "not a plain strided tensor (subclass or sparse)"
-        root = uf.find(keys[0]) if keys else None
+        root = keys.uf.find(node_keys[0]) if node_keys else None
         kind = kind_of.get(root, BufferKind.TEMPORARY) if root is not None else None
         if not reason and kind is not BufferKind.SAVED:
             reason = f"aliases a {kind.value}" if kind else "no storage"
@@ -690,7 +768,7 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
                 f"read or written by collective {c.name!r} ({c.target}); trinity's copies are not ordered "
                 "with the collective's stream"
             )
-        bw_reads = _alias_reader_steps(ph, node_keys, node_step, reader_step) if ph is not None else None
+        bw_reads = _alias_reader_steps(ph, keys.node_keys, node_step, reader_step) if ph is not None else None
         source = roots[root]["source"] if root is not None and root in roots else None
         same_view = source is not None and _view_exprs(source.meta["val"]) == _view_exprs(val)
         shape = tuple(hint_int(s) for s in val.shape)
@@ -722,11 +800,25 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
         )
         if root is not None:
             saved_of_root.setdefault(root, []).append(j)
+    return saved, saved_of_root
 
+
+def _buffers(
+    roots: dict,
+    keys: _Keys,
+    kind_of: dict,
+    saved_of_root: dict,
+    resident_of_root: dict,
+    fused_nodes: set[fx.Node],
+    sched: _Schedule,
+    device: torch.device,
+) -> list[Buffer]:
+    """One :class:`Buffer` per root, in the order the roots were first held."""
+    num_fw, node_step = sched.num_fw, sched.node_step
     buffers: list[Buffer] = []
-    for r, info in roots.items():
+    for buffer_id, (r, info) in enumerate(roots.items()):
         kind = kind_of.get(r, BufferKind.TEMPORARY)
-        t = key_tensor[r] if r in key_tensor else None
+        t = keys.key_tensor[r] if r in keys.key_tensor else None
         nbytes = t.untyped_storage().nbytes() if t is not None else 0
         src = info["source_any"]
         floor = _output_storage_floor(src) if node_step[src] == info["def"] else 0
@@ -735,13 +827,12 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
         uses = sorted(info["uses"])
         end = max([info["def"]] + uses)
         if kind in (BufferKind.PARAMETER, BufferKind.INPUT, BufferKind.OUTPUT, BufferKind.GRADIENT):
-            end = last
+            end = sched.last
         tdev = t.device if t is not None else device
         on_device = kind is not BufferKind.HOST and (tdev == device or device.type == "cpu")
-        fused = info["source_any"] in fused_nodes
         buffers.append(
             Buffer(
-                id=root_id[r],
+                id=buffer_id,
                 kind=kind,
                 size_bytes=hint_int(nbytes),
                 size_expr=_size_expr(nbytes),
@@ -757,20 +848,8 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
                 ),
                 first_bw_use=min(info["bw_uses"]) if info["bw_uses"] else None,
                 source_step=node_step[info["source"]] if info["source"] is not None else None,
-                fused=fused,
+                fused=src in fused_nodes,
                 resident_steps=resident_of_root.get(r, ()) if kind is BufferKind.PARAMETER else (),
             )
         )
-    return Liveness(
-        steps=tuple(steps),
-        num_fw_steps=num_fw,
-        buffers=tuple(buffers),
-        saved=tuple(saved),
-        device=str(device),
-        workspace_bytes=tuple(
-            max(_workspace(n), margins.node_bytes(n)) if margins is not None else _workspace(n)
-            for n in fw_nodes + bw_nodes
-        ),
-        step_of=step_of,
-        save_only_steps=frozenset(node_step[n] for n in save_only),
-    )
+    return buffers

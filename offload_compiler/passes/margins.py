@@ -3,7 +3,7 @@
 The planner models a node's memory as its output buffers plus an op workspace taken from a table
 (:data:`.liveness._WORKSPACE`, measured on one CPU). A kernel on another machine (a oneDNN AMX
 bf16 matmul, a cuDNN convolution, a custom op) can allocate more: scratch it frees before it
-returns. :mod:`offload_compiler.runtime.step_check` measures that on the running machine, per op,
+returns. :mod:`offload_compiler.step_check` measures that on the running machine, per op,
 from the allocator's events, and the next plan takes it in through a :class:`WorkspaceMargins`:
 liveness then counts, at every node, the larger of the table's workspace and the measured one.
 

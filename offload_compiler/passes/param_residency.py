@@ -52,11 +52,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
-import torch
 import torch.fx as fx
 
 from ..graph_pair import GraphPair
-from ..runtime.param_ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT, PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE
+from ..ir.meta import NOTE_KEY, PARAM_COPY_KEY
+from ..ir.ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT, PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE
 from .cost_model import Costs
 from .liveness import Buffer, BufferKind, Liveness
 
@@ -69,7 +69,6 @@ __all__ = [
     "copy_tasks",
     "update_tasks",
     "step_timeline",
-    "check",
     "MODES",
 ]
 
@@ -239,156 +238,211 @@ def plan(
     """
     if mode not in MODES:
         raise ValueError(f"param_residency.plan: mode {mode!r}; expected one of {MODES}")
-    host_grad = mode == "all" if host_grad is None else host_grad
-    num_fw, last = live.num_fw_steps, live.num_steps - 1
-    fw_placeholders = list(pair.forward.graph.find_nodes(op="placeholder"))
-    buffer_of_node: dict[str, int] = {}
-    for b in live.buffers:
-        for name in b.nodes:
-            buffer_of_node[name] = b.id
-    fw_out_step = num_fw - 1
-    user_out_buffers = {
-        buffer_of_node.get("forward:" + n.name)
-        for i, n in enumerate(pair.fw_outputs())
-        if i < pair.num_fwd_outputs and isinstance(n, fx.Node)
-    }
-    bw_out = pair.bw_output_node().args[0]
-    bw_out = list(bw_out) if isinstance(bw_out, (tuple, list)) else [bw_out]
-    first_real = next((s for s in range(num_fw) if not live.steps[s].is_placeholder), 0)
-    bw_first_real = next((s for s in range(num_fw, last + 1) if not live.steps[s].is_placeholder), last)
-    fw_node_of = {n.name: n for n in pair.forward.graph.nodes}
-    save_only = live.save_only_steps
+    ctx = _PlanContext.of(pair, live, costs, mode, mode == "all" if host_grad is None else host_grad, use_windows)
+    params = []
+    for index, (slot_id, _host) in sorted(slots.items()):
+        p = _plan_param(ctx, index, slot_id)
+        if p is not None:
+            params.append(p)
+    peak = int(_predicted_live(live, base_live, params).max()) if live.num_steps else 0
+    return ResidencyPlan(
+        mode=mode,
+        params=tuple(params),
+        num_steps=live.num_steps,
+        num_fw_steps=live.num_fw_steps,
+        peak_bytes_resident_params=int(base_live.max()) if live.num_steps else 0,
+        peak_bytes=peak,
+        budget_bytes=budget,
+        windows_shrunk=not use_windows,
+        host_bytes=sum(host for _, host in slots.values()),
+        max_window_steps=max([max(p.fw_window_steps, p.bw_window_steps) for p in params], default=0),
+        window_seconds=_window_seconds(params, costs),
+    )
 
-    def save_views(buf: Buffer) -> tuple[list[int], int]:
-        """The buffer's save-only forward views (steps) and the latest step of an input of
-        theirs that is not one of them (they can move to just after it, not earlier)."""
-        steps = sorted(
-            live.step_named("forward", name[len("forward:") :])
-            for name in buf.nodes
-            if name.startswith("forward:") and live.step_named("forward", name[len("forward:") :]) in save_only
+
+@dataclass(frozen=True)
+class _PlanContext:
+    """What :func:`plan` reads of the pair and its liveness, looked up once."""
+
+    pair: GraphPair
+    live: Liveness
+    costs: Costs
+    mode: str
+    host_grad: bool
+    use_windows: bool
+    fw_placeholders: list[fx.Node]
+    fw_node_of: dict[str, fx.Node]
+    buffer_of_node: dict[str, int]  # "forward:name" / "backward:name" -> buffer id
+    user_out_buffers: set
+    bw_out: list
+    first_real: int  # the forward's first non-placeholder step
+    bw_first_real: int  # the backward's
+
+    @staticmethod
+    def of(pair: GraphPair, live: Liveness, costs: Costs, mode: str, host_grad: bool, use_windows: bool):
+        num_fw, last = live.num_fw_steps, live.num_steps - 1
+        buffer_of_node: dict[str, int] = {}
+        for b in live.buffers:
+            for name in b.nodes:
+                buffer_of_node[name] = b.id
+        user_out_buffers = {
+            buffer_of_node.get("forward:" + n.name)
+            for i, n in enumerate(pair.fw_outputs())
+            if i < pair.num_fwd_outputs and isinstance(n, fx.Node)
+        }
+        bw_out = pair.bw_output_node().args[0]
+        return _PlanContext(
+            pair=pair,
+            live=live,
+            costs=costs,
+            mode=mode,
+            host_grad=host_grad,
+            use_windows=use_windows,
+            fw_placeholders=list(pair.forward.graph.find_nodes(op="placeholder")),
+            fw_node_of={n.name: n for n in pair.forward.graph.nodes},
+            buffer_of_node=buffer_of_node,
+            user_out_buffers=user_out_buffers,
+            bw_out=list(bw_out) if isinstance(bw_out, (tuple, list)) else [bw_out],
+            first_real=next((s for s in range(num_fw) if not live.steps[s].is_placeholder), 0),
+            bw_first_real=next((s for s in range(num_fw, last + 1) if not live.steps[s].is_placeholder), last),
         )
-        own = set(steps)
-        floor = -1
-        for s in steps:
-            for m in fw_node_of[live.steps[s].node].all_input_nodes:
-                ms = live.step_named("forward", m.name)
-                if ms not in own:
-                    floor = max(floor, ms)
-        return steps, floor
 
-    def build(use_windows: bool) -> list[ParamResidency]:
-        out = []
-        for index, (slot_id, _host) in sorted(slots.items()):
-            ph = fw_placeholders[index]
-            bid = buffer_of_node.get("forward:" + ph.name)
-            if bid is None or bid in user_out_buffers:
-                continue
-            buf = live.buffers[bid]
-            if buf.kind is not BufferKind.PARAMETER:
-                continue
-            views, views_floor = save_views(buf)
-            fw_uses = [s for s in buf.use_steps if s < fw_out_step and s not in save_only]
-            if not fw_uses:
-                fw_uses, views = views, []  # only saved: fetched for its views
-            bw_uses = [s for s in buf.use_steps if num_fw <= s < last]
-            intervals = []
-            fw_fetch = fw_release = bw_fetch = bw_release = fw_wait = bw_wait = None
-            fw_w = bw_w = 0
-            if mode == "activations+params" and not bw_uses:
-                # The backward has no handle on it to fetch it back before the step ends (the
-                # user's optimizer needs it there): it stays resident.
-                continue
-            if fw_uses:
-                first, lastu = min(fw_uses), max(fw_uses)
-                if views:
-                    lastu = max(lastu, views_floor)
-                fw_w = _lead(first, first_real, buf.size_bytes, costs) if use_windows else 0
-                fw_fetch, fw_release, fw_wait = max(first - fw_w, first_real), lastu, first
-                start = 0 if mode == "activations+params" else fw_fetch
-                intervals.append((start, fw_release))
-            if bw_uses:
-                first = min(bw_uses)
-                bw_w = _lead(first, bw_first_real, buf.size_bytes, costs) if use_windows else 0
-                bw_fetch, bw_wait = max(first - bw_w, bw_first_real), first
-                bw_release = max(bw_uses) if mode == "all" else None
-                intervals.append((bw_fetch, bw_release if bw_release is not None else last))
-            grad_after = grad_buffer = grad_wait = None
-            if host_grad and index < len(bw_out) and isinstance(bw_out[index], fx.Node):
-                g = bw_out[index]
-                gstep = live.step_named("backward", g.name)
-                readers = [live.step_named("backward", u.name) for u in g.users if u.op != "output"]
-                # Not before the parameter's last backward reader either: once its gradient is on
-                # the host, the CPU optimizer may update the master copy (CPUOptimizer with
-                # overlap="backward"), which a later fetch in this backward would read.
-                grad_after = max([gstep, *readers] + ([bw_release] if bw_release is not None else []))
-                grad_buffer = buffer_of_node.get("backward:" + g.name)
-                # The wait (which keeps the gradient alive) after the copy's time of compute; the
-                # last step before the backward's output at the latest.
-                grad_wait = (
-                    _trail(grad_after, last - 1, live.buffers[grad_buffer].size_bytes, costs)
-                    if use_windows and grad_buffer is not None
-                    else grad_after
-                )
-            out.append(
-                ParamResidency(
-                    slot=slot_id,
-                    placeholder=ph.name,
-                    buffer=bid,
-                    nbytes=buf.size_bytes,
-                    fw_fetch_before=fw_fetch,
-                    fw_release_after=fw_release,
-                    bw_fetch_before=bw_fetch,
-                    bw_release_after=bw_release,
-                    fw_window_steps=fw_w,
-                    bw_window_steps=bw_w,
-                    grad_to_host_after=grad_after,
-                    grad_buffer=grad_buffer,
-                    resident_steps=tuple(intervals),
-                    fw_wait_before=fw_wait,
-                    bw_wait_before=bw_wait,
-                    grad_wait_after=grad_wait,
-                    fw_save_views=tuple(v for v in views if fw_release is not None and v > fw_release),
-                )
-            )
-        return out
 
-    def predicted(params: list[ParamResidency]) -> np.ndarray:
-        diff = np.zeros(live.num_steps + 1, dtype=np.int64)
-        for p in params:
-            diff[0] -= p.nbytes  # counted resident throughout in base_live
-            diff[live.num_steps] += p.nbytes
-            for a, b in p.resident_steps:
-                diff[a] += p.nbytes
-                diff[b + 1] -= p.nbytes
-        for gid, wait in _grad_waits(params).items():
-            # Freed after its (last) grad_to_host_wait instead of at the backward's end.
-            gb = live.buffers[gid]
-            diff[wait + 1] -= gb.size_bytes
-            diff[live.num_steps] += gb.size_bytes
-        return base_live + np.cumsum(diff[:-1])
+def _save_views(ctx: _PlanContext, buf: Buffer) -> tuple[list[int], int]:
+    """The buffer's save-only forward views (steps) and the latest step of an input of theirs
+    that is not one of them (they can move to just after it, not earlier)."""
+    live, save_only = ctx.live, ctx.live.save_only_steps
+    steps = sorted(
+        live.step_named("forward", name[len("forward:") :])
+        for name in buf.nodes
+        if name.startswith("forward:") and live.step_named("forward", name[len("forward:") :]) in save_only
+    )
+    own = set(steps)
+    floor = -1
+    for s in steps:
+        for m in ctx.fw_node_of[live.steps[s].node].all_input_nodes:
+            ms = live.step_named("forward", m.name)
+            if ms not in own:
+                floor = max(floor, ms)
+    return steps, floor
 
-    params = build(use_windows)
-    peak = int(predicted(params).max()) if live.num_steps else 0
-    shrunk = not use_windows
+
+def _plan_param(ctx: _PlanContext, index: int, slot_id: int) -> ParamResidency | None:
+    """The residency of the parameter at forward placeholder ``index`` (``None``: it stays
+    resident): its forward fetch and release, its backward fetch and release, and with host
+    gradients the copy of its gradient (module docstring)."""
+    live, costs, mode = ctx.live, ctx.costs, ctx.mode
+    num_fw, last = live.num_fw_steps, live.num_steps - 1
+    fw_out_step = num_fw - 1
+    ph = ctx.fw_placeholders[index]
+    bid = ctx.buffer_of_node.get("forward:" + ph.name)
+    if bid is None or bid in ctx.user_out_buffers:
+        return None
+    buf = live.buffers[bid]
+    if buf.kind is not BufferKind.PARAMETER:
+        return None
+    views, views_floor = _save_views(ctx, buf)
+    fw_uses = [s for s in buf.use_steps if s < fw_out_step and s not in live.save_only_steps]
+    if not fw_uses:
+        fw_uses, views = views, []  # only saved: fetched for its views
+    bw_uses = [s for s in buf.use_steps if num_fw <= s < last]
+    if mode == "activations+params" and not bw_uses:
+        # The backward has no handle on it to fetch it back before the step ends (the user's
+        # optimizer needs it there): it stays resident.
+        return None
+    intervals = []
+    fw_fetch = fw_release = bw_fetch = bw_release = fw_wait = bw_wait = None
+    fw_w = bw_w = 0
+    if fw_uses:
+        first, lastu = min(fw_uses), max(fw_uses)
+        if views:
+            lastu = max(lastu, views_floor)
+        fw_w = _lead(first, ctx.first_real, buf.size_bytes, costs) if ctx.use_windows else 0
+        fw_fetch, fw_release, fw_wait = max(first - fw_w, ctx.first_real), lastu, first
+        start = 0 if mode == "activations+params" else fw_fetch
+        intervals.append((start, fw_release))
+    if bw_uses:
+        first = min(bw_uses)
+        bw_w = _lead(first, ctx.bw_first_real, buf.size_bytes, costs) if ctx.use_windows else 0
+        bw_fetch, bw_wait = max(first - bw_w, ctx.bw_first_real), first
+        bw_release = max(bw_uses) if mode == "all" else None
+        intervals.append((bw_fetch, bw_release if bw_release is not None else last))
+    grad_after, grad_buffer, grad_wait = _plan_grad_to_host(ctx, index, bw_release)
+    return ParamResidency(
+        slot=slot_id,
+        placeholder=ph.name,
+        buffer=bid,
+        nbytes=buf.size_bytes,
+        fw_fetch_before=fw_fetch,
+        fw_release_after=fw_release,
+        bw_fetch_before=bw_fetch,
+        bw_release_after=bw_release,
+        fw_window_steps=fw_w,
+        bw_window_steps=bw_w,
+        grad_to_host_after=grad_after,
+        grad_buffer=grad_buffer,
+        resident_steps=tuple(intervals),
+        fw_wait_before=fw_wait,
+        bw_wait_before=bw_wait,
+        grad_wait_after=grad_wait,
+        fw_save_views=tuple(v for v in views if fw_release is not None and v > fw_release),
+    )
+
+
+def _plan_grad_to_host(
+    ctx: _PlanContext, index: int, bw_release: int | None
+) -> tuple[int | None, int | None, int | None]:
+    """``(grad_to_host_after, grad_buffer, grad_wait_after)`` of the parameter at forward
+    placeholder ``index`` (all ``None`` without host gradients or a gradient node)."""
+    live, bw_out = ctx.live, ctx.bw_out
+    if not (ctx.host_grad and index < len(bw_out) and isinstance(bw_out[index], fx.Node)):
+        return None, None, None
+    last = live.num_steps - 1
+    g = bw_out[index]
+    gstep = live.step_named("backward", g.name)
+    readers = [live.step_named("backward", u.name) for u in g.users if u.op != "output"]
+    # Not before the parameter's last backward reader either: once its gradient is on the host,
+    # the CPU optimizer may update the master copy (CPUOptimizer with overlap="backward"), which a
+    # later fetch in this backward would read.
+    grad_after = max([gstep, *readers] + ([bw_release] if bw_release is not None else []))
+    grad_buffer = ctx.buffer_of_node.get("backward:" + g.name)
+    # The wait (which keeps the gradient alive) after the copy's time of compute; the last step
+    # before the backward's output at the latest.
+    grad_wait = (
+        _trail(grad_after, last - 1, live.buffers[grad_buffer].size_bytes, ctx.costs)
+        if ctx.use_windows and grad_buffer is not None
+        else grad_after
+    )
+    return grad_after, grad_buffer, grad_wait
+
+
+def _predicted_live(live: Liveness, base_live: np.ndarray, params: list[ParamResidency]) -> np.ndarray:
+    """Device bytes per step with ``params`` fetched and released as planned (``base_live``
+    counts them resident throughout)."""
+    diff = np.zeros(live.num_steps + 1, dtype=np.int64)
+    for p in params:
+        diff[0] -= p.nbytes  # counted resident throughout in base_live
+        diff[live.num_steps] += p.nbytes
+        for a, b in p.resident_steps:
+            diff[a] += p.nbytes
+            diff[b + 1] -= p.nbytes
+    for gid, wait in _grad_waits(params).items():
+        # Freed after its (last) grad_to_host_wait instead of at the backward's end.
+        gb = live.buffers[gid]
+        diff[wait + 1] -= gb.size_bytes
+        diff[live.num_steps] += gb.size_bytes
+    return base_live + np.cumsum(diff[:-1])
+
+
+def _window_seconds(params: list[ParamResidency], costs: Costs) -> float:
+    """The largest fetch lead, in the cost model's compute seconds."""
     ce = np.concatenate([[0.0], np.cumsum(costs.step_seconds)])
     window_s = 0.0
     for p in params:
         for before, w in ((p.fw_fetch_before, p.fw_window_steps), (p.bw_fetch_before, p.bw_window_steps)):
             if before is not None and w:
                 window_s = max(window_s, float(ce[before + w] - ce[before]))
-    return ResidencyPlan(
-        mode=mode,
-        params=tuple(params),
-        num_steps=live.num_steps,
-        num_fw_steps=num_fw,
-        peak_bytes_resident_params=int(base_live.max()) if live.num_steps else 0,
-        peak_bytes=peak,
-        budget_bytes=budget,
-        windows_shrunk=shrunk,
-        host_bytes=sum(host for _, host in slots.values()),
-        max_window_steps=max([max(p.fw_window_steps, p.bw_window_steps) for p in params], default=0),
-        window_seconds=window_s,
-    )
+    return window_s
 
 
 def apply(
@@ -413,128 +467,137 @@ def apply(
             with ``"activations+params"``, whose parameters stay resident between steps).
         backward: rewrite the backward graph too.
     """
-    write_back = the_plan.mode == "activations+params"
     fw_ph = {n.name: n for n in pair.forward.graph.find_nodes(op="placeholder")}
-    num_fw = the_plan.num_fw_steps
     bw_out_node = pair.bw_output_node()
     bw_outs = bw_out_node.args[0]
     bw_outs = list(bw_outs) if isinstance(bw_outs, (tuple, list)) else [bw_outs]
     fw_index = {n.name: i for i, n in enumerate(pair.forward.graph.find_nodes(op="placeholder"))}
-
-    def insert(graph: fx.Graph, where: fx.Node, before: bool, op, args, note: str, copy=None) -> fx.Node:
-        ctx = graph.inserting_before(where) if before else graph.inserting_after(where)
-        with ctx:
-            n = graph.call_function(op, args)
-        n.meta["trinity"] = note
-        n.meta["val"] = None  # returns nothing (later analyses, e.g. the dump's simulation, read it)
-        if copy is not None:
-            n.meta["trinity_param_copy"] = copy
-        return n
-
     for p in the_plan.params:
         ph = fw_ph[p.placeholder]
-        fg = pair.forward.graph
-        mib = p.nbytes / 2**20
         if p.fw_fetch_before is not None:
-            wait_at = p.fw_wait_before if p.fw_wait_before is not None else p.fw_fetch_before
-            # With "activations+params" the parameter is resident when the forward starts: its
-            # fetch issues nothing (unless a forward without backward released it).
-            copies = the_plan.mode == "all"
-            insert(
-                fg,
-                step_nodes[p.fw_fetch_before],
-                True,
-                PARAM_FETCH,
-                (ph, p.slot, rt),
-                f"fetch parameter {p.placeholder} ({mib:.2f} MiB): H2D issued, "
-                f"{_nodes(wait_at - p.fw_fetch_before)} ahead of its first reader",
-                ("h2d", p.nbytes) if copies else None,
-            )
-            insert(
-                fg,
-                step_nodes[wait_at],
-                True,
-                PARAM_FETCH_WAIT,
-                (ph, p.slot, rt),
-                f"H2D of parameter {p.placeholder} done",
-            )
-            if release:
-                # The views that exist only to be saved go right before the release (they read
-                # no data; run after it they would view a released storage).
-                anchor = step_nodes[p.fw_release_after]
-                for s in p.fw_save_views:
-                    anchor.append(step_nodes[s])
-                    anchor = step_nodes[s]
-                insert(
-                    fg,
-                    anchor,
-                    False,
-                    PARAM_RELEASE,
-                    (ph, p.slot, write_back, rt),
-                    f"release parameter {p.placeholder}"
-                    + (" (D2H write-back to its master first, exposed)" if write_back else ""),
-                    ("d2h", p.nbytes) if write_back else None,
-                )
+            _insert_forward(pair.forward.graph, p, ph, the_plan.mode, step_nodes, rt, release)
         if not backward:
             continue
         if p.bw_fetch_before is not None or p.grad_to_host_after is not None:
-            bg = pair.backward.graph
-            alias = _backward_alias(pair, ph, p.buffer, step_nodes, num_fw)
+            alias = _backward_alias(pair, ph, p.buffer, step_nodes, the_plan.num_fw_steps)
             if p.bw_fetch_before is not None and alias is not None:
-                wait_at = p.bw_wait_before if p.bw_wait_before is not None else p.bw_fetch_before
-                insert(
-                    bg,
-                    step_nodes[p.bw_fetch_before],
-                    True,
-                    PARAM_FETCH,
-                    (alias, p.slot, rt),
-                    f"fetch parameter {p.placeholder} for the backward ({mib:.2f} MiB): H2D issued, "
-                    f"{_nodes(wait_at - p.bw_fetch_before)} ahead of its first reader",
-                    ("h2d", p.nbytes),
-                )
-                insert(
-                    bg,
-                    step_nodes[wait_at],
-                    True,
-                    PARAM_FETCH_WAIT,
-                    (alias, p.slot, rt),
-                    f"H2D of parameter {p.placeholder} done",
-                )
-                if p.bw_release_after is not None:
-                    insert(
-                        bg,
-                        step_nodes[p.bw_release_after],
-                        False,
-                        PARAM_RELEASE,
-                        (alias, p.slot, False, rt),
-                        f"release parameter {p.placeholder}",
-                    )
+                _insert_backward_fetch(pair.backward.graph, p, alias, step_nodes, rt)
             if p.grad_to_host_after is not None:
-                g = bw_outs[fw_index[p.placeholder]]
-                issue = insert(
-                    bg,
-                    step_nodes[p.grad_to_host_after],
-                    False,
-                    GRAD_TO_HOST,
-                    (g, p.slot, rt),
-                    f"gradient of {p.placeholder} to host: D2H issued",
-                    ("d2h", p.nbytes),
-                )
-                wait_after = p.grad_wait_after if p.grad_wait_after is not None else p.grad_to_host_after
-                insert(
-                    bg,
-                    issue if wait_after <= p.grad_to_host_after else step_nodes[wait_after],
-                    False,
-                    GRAD_TO_HOST_WAIT,
-                    (g, p.slot, rt),
-                    f"D2H of the gradient of {p.placeholder} done; the device gradient is freed after this",
-                )
+                _insert_grad_to_host(pair.backward.graph, p, bw_outs[fw_index[p.placeholder]], step_nodes, rt)
                 bw_outs[fw_index[p.placeholder]] = None
     if backward and any(p.grad_to_host_after is not None for p in the_plan.params):
         bw_out_node.args = (tuple(bw_outs),)
     for gm in (pair.forward, pair.backward) if backward else (pair.forward,):
         gm.graph.lint()
         gm.recompile()
+
+
+def _insert(graph: fx.Graph, where: fx.Node, before: bool, op, args, note: str, copy=None) -> fx.Node:
+    """A ``op(*args)`` node before or after ``where``, with its note and, for a copy, its
+    ``(direction, bytes)``."""
+    ctx = graph.inserting_before(where) if before else graph.inserting_after(where)
+    with ctx:
+        n = graph.call_function(op, args)
+    n.meta[NOTE_KEY] = note
+    n.meta["val"] = None  # returns nothing (later analyses, e.g. the dump's simulation, read it)
+    if copy is not None:
+        n.meta[PARAM_COPY_KEY] = copy
+    return n
+
+
+def _insert_forward(
+    fg: fx.Graph, p: ParamResidency, ph: fx.Node, mode: str, step_nodes: Sequence[fx.Node], rt: int, release: bool
+) -> None:
+    """The forward's fetch and its wait, the save-only views moved before the release, and the
+    release (with ``release``)."""
+    write_back = mode == "activations+params"
+    mib = p.nbytes / 2**20
+    wait_at = p.fw_wait_before if p.fw_wait_before is not None else p.fw_fetch_before
+    # With "activations+params" the parameter is resident when the forward starts: its fetch
+    # issues nothing (unless a forward without backward released it).
+    copies = mode == "all"
+    _insert(
+        fg,
+        step_nodes[p.fw_fetch_before],
+        True,
+        PARAM_FETCH,
+        (ph, p.slot, rt),
+        f"fetch parameter {p.placeholder} ({mib:.2f} MiB): H2D issued, "
+        f"{_nodes(wait_at - p.fw_fetch_before)} ahead of its first reader",
+        ("h2d", p.nbytes) if copies else None,
+    )
+    _insert(fg, step_nodes[wait_at], True, PARAM_FETCH_WAIT, (ph, p.slot, rt), f"H2D of parameter {p.placeholder} done")
+    if not release:
+        return
+    # The views that exist only to be saved go right before the release (they read no data; run
+    # after it they would view a released storage).
+    anchor = step_nodes[p.fw_release_after]
+    for s in p.fw_save_views:
+        anchor.append(step_nodes[s])
+        anchor = step_nodes[s]
+    _insert(
+        fg,
+        anchor,
+        False,
+        PARAM_RELEASE,
+        (ph, p.slot, write_back, rt),
+        f"release parameter {p.placeholder}" + (" (D2H write-back to its master first, exposed)" if write_back else ""),
+        ("d2h", p.nbytes) if write_back else None,
+    )
+
+
+def _insert_backward_fetch(
+    bg: fx.Graph, p: ParamResidency, alias: fx.Node, step_nodes: Sequence[fx.Node], rt: int
+) -> None:
+    """The backward's fetch of the parameter (through the saved view ``alias``), its wait and,
+    with ``"all"``, its release."""
+    mib = p.nbytes / 2**20
+    wait_at = p.bw_wait_before if p.bw_wait_before is not None else p.bw_fetch_before
+    _insert(
+        bg,
+        step_nodes[p.bw_fetch_before],
+        True,
+        PARAM_FETCH,
+        (alias, p.slot, rt),
+        f"fetch parameter {p.placeholder} for the backward ({mib:.2f} MiB): H2D issued, "
+        f"{_nodes(wait_at - p.bw_fetch_before)} ahead of its first reader",
+        ("h2d", p.nbytes),
+    )
+    _insert(
+        bg, step_nodes[wait_at], True, PARAM_FETCH_WAIT, (alias, p.slot, rt), f"H2D of parameter {p.placeholder} done"
+    )
+    if p.bw_release_after is not None:
+        _insert(
+            bg,
+            step_nodes[p.bw_release_after],
+            False,
+            PARAM_RELEASE,
+            (alias, p.slot, False, rt),
+            f"release parameter {p.placeholder}",
+        )
+
+
+def _insert_grad_to_host(bg: fx.Graph, p: ParamResidency, g: fx.Node, step_nodes: Sequence[fx.Node], rt: int) -> None:
+    """The copy of the parameter's gradient ``g`` to the host and its wait (the caller replaces
+    ``g`` in the backward's output by ``None``)."""
+    issue = _insert(
+        bg,
+        step_nodes[p.grad_to_host_after],
+        False,
+        GRAD_TO_HOST,
+        (g, p.slot, rt),
+        f"gradient of {p.placeholder} to host: D2H issued",
+        ("d2h", p.nbytes),
+    )
+    wait_after = p.grad_wait_after if p.grad_wait_after is not None else p.grad_to_host_after
+    _insert(
+        bg,
+        issue if wait_after <= p.grad_to_host_after else step_nodes[wait_after],
+        False,
+        GRAD_TO_HOST_WAIT,
+        (g, p.slot, rt),
+        f"D2H of the gradient of {p.placeholder} done; the device gradient is freed after this",
+    )
 
 
 def _nodes(k: int) -> str:
@@ -736,154 +799,3 @@ def plan_with_activations(
         if act.feasible or not residency.max_window_steps:
             break
     return residency, view, act, plan_s
-
-
-def check(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:
-    """Invariants of a rewritten pair. Returns the violations (empty when none):
-
-    * no node reads an offloaded parameter's storage (any view of it) while it is released, nor
-      between its ``param_fetch`` and that fetch's ``param_fetch_wait`` (the copy may still be
-      writing it); a view op counts as a reader (a view of a released storage must never be
-      made), only size and stride queries (``sym_size``, ...) are allowed;
-    * every ``param_fetch`` has exactly one ``param_fetch_wait`` of the same slot and storage
-      after it, before any release or other fetch of that slot; every wait follows a fetch;
-      every release follows a fetch's wait;
-    * every ``grad_to_host`` has exactly one ``grad_to_host_wait`` of the same slot and gradient
-      later in the backward (it keeps the gradient alive while the copy reads it).
-
-    A parameter is resident at the start of the forward with ``"activations+params"`` and
-    released with ``"all"``; the backward starts with whatever the forward left. Nodes are
-    matched by op target.
-    """
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    RELEASED, FETCHING, RESIDENT = "released", "fetching", "resident"
-    errors: list[str] = []
-    by_slot = {p.slot: p for p in the_plan.params}
-    state = {p.slot: RESIDENT if the_plan.mode == "activations+params" else RELEASED for p in the_plan.params}
-
-    def name_of(slot) -> str:
-        return by_slot[slot].placeholder if slot in by_slot else f"slot {slot}"
-
-    def storage_of(node) -> StorageWeakRef | None:
-        val = node.meta.get("val") if isinstance(node, fx.Node) else None
-        return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
-
-    for graph_name, gm in (("forward", pair.forward), ("backward", pair.backward)):
-        storage_slot: dict = {}
-        for n in gm.graph.nodes:
-            if n.op == "call_function" and n.target in (PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE):
-                st = storage_of(n.args[0])
-                if st is not None:
-                    storage_slot[st] = n.args[1]
-        fetch_of: dict = {}  # slot -> the fetch node waiting for its wait
-        grad_issue: dict = {}  # slot -> the grad_to_host node waiting for its wait
-        for n in gm.graph.nodes:
-            if n.op == "call_function" and n.target is PARAM_FETCH:
-                slot = n.args[1]
-                if state.get(slot) == FETCHING:
-                    errors.append(
-                        f"{graph_name}: {n.name} fetches parameter {name_of(slot)} again before the wait of "
-                        f"{fetch_of[slot].name}"
-                    )
-                state[slot] = FETCHING
-                fetch_of[slot] = n
-                continue
-            if n.op == "call_function" and n.target is PARAM_FETCH_WAIT:
-                slot = n.args[1]
-                if state.get(slot) != FETCHING:
-                    # The state stays as it was (a released parameter's readers are reported).
-                    errors.append(f"{graph_name}: {n.name} waits for a fetch of {name_of(slot)} that was not issued")
-                    continue
-                if storage_of(n.args[0]) != storage_of(fetch_of[slot].args[0]):
-                    errors.append(
-                        f"{graph_name}: {n.name} waits on another storage than its fetch {fetch_of[slot].name}"
-                    )
-                state[slot] = RESIDENT
-                fetch_of.pop(slot)
-                continue
-            if n.op == "call_function" and n.target is PARAM_RELEASE:
-                slot = n.args[1]
-                if state.get(slot) == FETCHING:
-                    errors.append(
-                        f"{graph_name}: {n.name} releases parameter {name_of(slot)} before the wait of its fetch "
-                        f"{fetch_of[slot].name}"
-                    )
-                    fetch_of.pop(slot, None)
-                elif state.get(slot) != RESIDENT:
-                    errors.append(f"{graph_name}: {n.name} releases slot {slot} that is not resident")
-                state[slot] = RELEASED
-                continue
-            if n.op == "call_function" and n.target is GRAD_TO_HOST:
-                slot = n.args[1]
-                if slot in grad_issue:
-                    errors.append(
-                        f"{graph_name}: {n.name} sends the gradient of {name_of(slot)} to host again before the "
-                        f"wait of {grad_issue[slot].name}"
-                    )
-                grad_issue[slot] = n
-                continue
-            if n.op == "call_function" and n.target is GRAD_TO_HOST_WAIT:
-                slot = n.args[1]
-                issue = grad_issue.pop(slot, None)
-                if issue is None:
-                    errors.append(
-                        f"{graph_name}: {n.name} waits for a gradient copy of {name_of(slot)} that was not issued"
-                    )
-                elif n.args[0] is not issue.args[0]:
-                    errors.append(
-                        f"{graph_name}: {n.name} keeps {n.args[0]} alive, not the gradient {issue.args[0]} that "
-                        f"{issue.name} copies"
-                    )
-                continue
-            if n.op in ("placeholder", "output"):
-                continue
-            for m in n.all_input_nodes:
-                st = storage_of(m)
-                slot = storage_slot.get(st) if st is not None else None
-                if slot is None or state.get(slot) == RESIDENT or _size_query(n):
-                    continue
-                if state.get(slot) == FETCHING:
-                    errors.append(
-                        f"{graph_name}: {n.name} reads parameter {name_of(slot)} (via {m.name}) before the wait of "
-                        f"its fetch {fetch_of[slot].name}"
-                    )
-                elif _metadata_only(n):
-                    errors.append(
-                        f"{graph_name}: view {n.name} of parameter {name_of(slot)} (via {m.name}) is made while it is "
-                        "released"
-                    )
-                else:
-                    errors.append(
-                        f"{graph_name}: {n.name} reads parameter {name_of(slot)} (via {m.name}) while it is released"
-                    )
-        for slot, f in fetch_of.items():
-            errors.append(f"{graph_name}: fetch {f.name} of parameter {name_of(slot)} has no param_fetch_wait")
-            state[slot] = RESIDENT  # do not report every later reader again
-        for slot, g in grad_issue.items():
-            errors.append(f"{graph_name}: {g.name} (gradient of {name_of(slot)} to host) has no grad_to_host_wait")
-    return errors
-
-
-_SIZE_QUERIES = frozenset(
-    {
-        torch.ops.aten.sym_size.int,
-        torch.ops.aten.sym_stride.int,
-        torch.ops.aten.sym_numel.default,
-        torch.ops.aten.sym_storage_offset.default,
-    }
-)
-
-
-def _size_query(node: fx.Node) -> bool:
-    """A size, stride, numel or offset query: reads the tensor's metadata only and makes no view."""
-    return node.op == "call_function" and node.target in _SIZE_QUERIES
-
-
-def _metadata_only(node: fx.Node) -> bool:
-    """A view op (reads no data, but makes a view of the storage)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    info = schema.returns[0].alias_info
-    return info is not None and not info.is_write

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from ..ir.meta import RECOMPUTE_KEY
 from .cost_model import Costs
 from .liveness import BufferKind, Liveness
 from .plan_window import Plan, _groups
@@ -779,7 +780,7 @@ def _costs_after(pair, live: Liveness, costs: Costs, live2: Liveness) -> Costs:
     nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
     for step, n in zip(live2.steps, nodes):
         old = live.step_of.get((step.graph, step.node))
-        if old is not None and live.steps[old].op == step.op and "trinity_recompute" not in n.meta:
+        if old is not None and live.steps[old].op == step.op and RECOMPUTE_KEY not in n.meta:
             secs.append(costs.step_seconds[old])
             flops.append(costs.step_flops[old])
             nbytes.append(costs.step_bytes[old])

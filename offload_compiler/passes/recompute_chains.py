@@ -230,7 +230,7 @@ def _known_cost(node: fx.Node) -> bool:
 
 def refusal(node: fx.Node, rng_replay: bool) -> str | None:
     """Why ``node`` may not be recomputed, or ``None`` when it may (see the module docstring)."""
-    from ..runtime.ops import STREAM_OPS, TRANSFER_OPS
+    from ..ir.ops import STREAM_OPS, TRANSFER_OPS
 
     if node.op != "call_function":
         return f"{node.name!r} is a {node.op}"

@@ -21,11 +21,10 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..graph_pair import hint_int, tensor_vals
-from ..runtime.ops import TRANSFER_OPS
-from ..runtime.transfer import span_bytes
+from ..graph_pair import tensor_vals
+from ..ir.alias import is_view, tensor_span_bytes
+from ..ir.ops import TRANSFER_OPS
 
 __all__ = ["hoist_frees"]
 
@@ -33,26 +32,8 @@ __all__ = ["hoist_frees"]
 def _bytes(node: fx.Node) -> int:
     total = 0
     for t in tensor_vals(node):
-        total += span_bytes(
-            tuple(hint_int(s) for s in t.shape), tuple(hint_int(s) for s in t.stride()), t.element_size()
-        )
+        total += tensor_span_bytes(t)
     return total
-
-
-def _storages(node: fx.Node) -> set:
-    out = set()
-    for t in tensor_vals(node):
-        try:
-            out.add(StorageWeakRef(t.untyped_storage()))
-        except (RuntimeError, NotImplementedError):
-            pass
-    return out
-
-
-def _is_view(node: fx.Node) -> bool:
-    outs = _storages(node)
-    ins = set().union(*(_storages(m) for m in node.all_input_nodes)) if node.all_input_nodes else set()
-    return bool(outs) and outs <= ins
 
 
 def _movable(node: fx.Node) -> bool:
@@ -98,7 +79,7 @@ def hoist_frees(gm: fx.GraphModule) -> int:
     regrouped = _hoist_getitems(graph)
     nodes = list(graph.nodes)
     pos: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(nodes)}
-    view = {n: _is_view(n) for n in nodes}
+    view = {n: is_view(n) for n in nodes}
     placeholders = [m for m in nodes if m.op == "placeholder"]
     last_placeholder = max(placeholders, key=lambda m: pos[m]) if placeholders else None
     moved = 0

@@ -13,7 +13,11 @@ Checked (transfer nodes found by op target, never by name):
 5. recomputed nodes (``node.meta["trinity_recompute"]``, from ``insert_recompute``) are ops that
    may be recomputed (no mutation, side effect, collective, unknown cost; a random op only as
    ``run_with_rng_state`` on a generator state the forward saved with ``run_and_save_rng_state``);
-6. the peak of the rewritten pair, measured again by liveness from scratch (recomputed nodes are
+6. parameter residency (:func:`check_residency`, parameter offload only): no offloaded parameter
+   is read, nor viewed, while released or while its fetch may still be writing it; fetches,
+   waits, releases and gradient copies pair up (run first, by the pipeline and the inference
+   rewrite);
+7. the peak of the rewritten pair, measured again by liveness from scratch (recomputed nodes are
    backward nodes like any other there), is within the budget and equals the planner's simulated
    peak.
 
@@ -23,18 +27,33 @@ Reads ``node.meta["val"]``; writes nothing.
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING
 
+import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph_pair import GraphPair, tensor_vals
+from ..ir.alias import node_storages, storage_key
+from ..ir.ops import (
+    EVICT,
+    EVICT_WAIT,
+    GRAD_TO_HOST,
+    GRAD_TO_HOST_WAIT,
+    PARAM_FETCH,
+    PARAM_FETCH_WAIT,
+    PARAM_RELEASE,
+    PREFETCH,
+    PREFETCH_WAIT,
+)
 from ..options import format_bytes
-from ..runtime.ops import EVICT, EVICT_WAIT, PREFETCH, PREFETCH_WAIT
 from . import happens_before
 from . import liveness as liveness_pass
 from .margins import WorkspaceMargins
 
-__all__ = ["VerificationError", "verify"]
+if TYPE_CHECKING:
+    from .param_residency import ResidencyPlan
+
+__all__ = ["VerificationError", "verify", "check_residency"]
 
 
 class VerificationError(RuntimeError):
@@ -42,7 +61,7 @@ class VerificationError(RuntimeError):
 
 
 def _storages(node: fx.Node) -> set:
-    return {StorageWeakRef(t.untyped_storage()) for t in tensor_vals(node)}
+    return set(node_storages(node))
 
 
 def _check_forward(fw: fx.GraphModule, fw_outputs: list) -> list[str]:
@@ -194,3 +213,164 @@ def verify(
     if errors:
         raise VerificationError("trinity verification failed:\n  - " + "\n  - ".join(errors))
     return peak
+
+
+_RELEASED, _FETCHING, _RESIDENT = "released", "fetching", "resident"
+
+
+def check_residency(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:
+    """Invariants of a pair rewritten by :func:`.param_residency.apply` with ``the_plan``.
+    Returns the violations (empty when none):
+
+    * no node reads an offloaded parameter's storage (any view of it) while it is released, nor
+      between its ``param_fetch`` and that fetch's ``param_fetch_wait`` (the copy may still be
+      writing it); a view op counts as a reader (a view of a released storage must never be
+      made), only size and stride queries (``sym_size``, ...) are allowed;
+    * every ``param_fetch`` has exactly one ``param_fetch_wait`` of the same slot and storage
+      after it, before any release or other fetch of that slot; every wait follows a fetch;
+      every release follows a fetch's wait;
+    * every ``grad_to_host`` has exactly one ``grad_to_host_wait`` of the same slot and gradient
+      later in the backward (it keeps the gradient alive while the copy reads it).
+
+    A parameter is resident at the start of the forward with ``"activations+params"`` and
+    released with ``"all"``; the backward starts with whatever the forward left. Nodes are
+    matched by op target.
+    """
+    RELEASED, RESIDENT = _RELEASED, _RESIDENT
+    errors: list[str] = []
+    by_slot = {p.slot: p for p in the_plan.params}
+    state = {p.slot: RESIDENT if the_plan.mode == "activations+params" else RELEASED for p in the_plan.params}
+
+    def name_of(slot) -> str:
+        return by_slot[slot].placeholder if slot in by_slot else f"slot {slot}"
+
+    for graph_name, gm in (("forward", pair.forward), ("backward", pair.backward)):
+        errors += _residency_errors(graph_name, gm, state, name_of)
+    return errors
+
+
+def _residency_errors(graph_name: str, gm: fx.GraphModule, state: dict, name_of) -> list[str]:
+    """The residency violations in one graph (see :func:`check_residency`), walking it in order
+    from ``state`` (slot -> released, fetching or resident; updated to the graph's end)."""
+    RELEASED, FETCHING, RESIDENT = _RELEASED, _FETCHING, _RESIDENT
+    errors: list[str] = []
+
+    def storage_of(node):
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        return storage_key(val) if isinstance(val, torch.Tensor) else None
+
+    storage_slot: dict = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in (PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE):
+            st = storage_of(n.args[0])
+            if st is not None:
+                storage_slot[st] = n.args[1]
+    fetch_of: dict = {}  # slot -> the fetch node waiting for its wait
+    grad_issue: dict = {}  # slot -> the grad_to_host node waiting for its wait
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is PARAM_FETCH:
+            slot = n.args[1]
+            if state.get(slot) == FETCHING:
+                errors.append(
+                    f"{graph_name}: {n.name} fetches parameter {name_of(slot)} again before the wait of "
+                    f"{fetch_of[slot].name}"
+                )
+            state[slot] = FETCHING
+            fetch_of[slot] = n
+            continue
+        if n.op == "call_function" and n.target is PARAM_FETCH_WAIT:
+            slot = n.args[1]
+            if state.get(slot) != FETCHING:
+                # The state stays as it was (a released parameter's readers are reported).
+                errors.append(f"{graph_name}: {n.name} waits for a fetch of {name_of(slot)} that was not issued")
+                continue
+            if storage_of(n.args[0]) != storage_of(fetch_of[slot].args[0]):
+                errors.append(f"{graph_name}: {n.name} waits on another storage than its fetch {fetch_of[slot].name}")
+            state[slot] = RESIDENT
+            fetch_of.pop(slot)
+            continue
+        if n.op == "call_function" and n.target is PARAM_RELEASE:
+            slot = n.args[1]
+            if state.get(slot) == FETCHING:
+                errors.append(
+                    f"{graph_name}: {n.name} releases parameter {name_of(slot)} before the wait of its fetch "
+                    f"{fetch_of[slot].name}"
+                )
+                fetch_of.pop(slot, None)
+            elif state.get(slot) != RESIDENT:
+                errors.append(f"{graph_name}: {n.name} releases slot {slot} that is not resident")
+            state[slot] = RELEASED
+            continue
+        if n.op == "call_function" and n.target is GRAD_TO_HOST:
+            slot = n.args[1]
+            if slot in grad_issue:
+                errors.append(
+                    f"{graph_name}: {n.name} sends the gradient of {name_of(slot)} to host again before the "
+                    f"wait of {grad_issue[slot].name}"
+                )
+            grad_issue[slot] = n
+            continue
+        if n.op == "call_function" and n.target is GRAD_TO_HOST_WAIT:
+            slot = n.args[1]
+            issue = grad_issue.pop(slot, None)
+            if issue is None:
+                errors.append(
+                    f"{graph_name}: {n.name} waits for a gradient copy of {name_of(slot)} that was not issued"
+                )
+            elif n.args[0] is not issue.args[0]:
+                errors.append(
+                    f"{graph_name}: {n.name} keeps {n.args[0]} alive, not the gradient {issue.args[0]} that "
+                    f"{issue.name} copies"
+                )
+            continue
+        if n.op in ("placeholder", "output"):
+            continue
+        for m in n.all_input_nodes:
+            st = storage_of(m)
+            slot = storage_slot.get(st) if st is not None else None
+            if slot is None or state.get(slot) == RESIDENT or _size_query(n):
+                continue
+            if state.get(slot) == FETCHING:
+                errors.append(
+                    f"{graph_name}: {n.name} reads parameter {name_of(slot)} (via {m.name}) before the wait of "
+                    f"its fetch {fetch_of[slot].name}"
+                )
+            elif _metadata_only(n):
+                errors.append(
+                    f"{graph_name}: view {n.name} of parameter {name_of(slot)} (via {m.name}) is made while it is "
+                    "released"
+                )
+            else:
+                errors.append(
+                    f"{graph_name}: {n.name} reads parameter {name_of(slot)} (via {m.name}) while it is released"
+                )
+    for slot, f in fetch_of.items():
+        errors.append(f"{graph_name}: fetch {f.name} of parameter {name_of(slot)} has no param_fetch_wait")
+        state[slot] = RESIDENT  # do not report every later reader again
+    for slot, g in grad_issue.items():
+        errors.append(f"{graph_name}: {g.name} (gradient of {name_of(slot)} to host) has no grad_to_host_wait")
+    return errors
+
+
+_SIZE_QUERIES = frozenset(
+    {
+        torch.ops.aten.sym_size.int,
+        torch.ops.aten.sym_stride.int,
+        torch.ops.aten.sym_numel.default,
+        torch.ops.aten.sym_storage_offset.default,
+    }
+)
+
+
+def _size_query(node: fx.Node) -> bool:
+    """A size, stride, numel or offset query: reads the tensor's metadata only and makes no view."""
+    return node.op == "call_function" and node.target in _SIZE_QUERIES
+
+
+def _metadata_only(node: fx.Node) -> bool:
+    """A view op (reads no data, but makes a view of the storage)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    info = schema.returns[0].alias_info
+    return info is not None and not info.is_write

@@ -45,12 +45,12 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.fx.node import has_side_effect
 
+from ..ir import ops as _ir_ops  # noqa: F401  (defines the trinity::* schemas first)
 from .model_state import get_slot, grad_key
 from .transfer import get_runtime
 
-__all__ = ["GradSync", "get_grad_sync", "GRAD_SYNC_MARK", "GRAD_REDUCE", "GRAD_REDUCE_WAIT", "GRAD_SYNC_OPS"]
+__all__ = ["GradSync", "get_grad_sync"]
 
 _ids = itertools.count(1)
 _registry: weakref.WeakValueDictionary[int, GradSync] = weakref.WeakValueDictionary()
@@ -139,12 +139,6 @@ def get_grad_sync(sync_id: int) -> GradSync:
     return sync
 
 
-_lib = torch.library.Library("trinity", "FRAGMENT")
-_lib.define("grad_sync_mark(int sync) -> ()")
-_lib.define("grad_reduce(Tensor(a!) g, int slot, int rt, int sync, bool inplace) -> ()")
-_lib.define("grad_reduce_wait(Tensor g, int slot, int rt, int sync) -> ()")
-
-
 def _grad_sync_mark(sync: int) -> None:
     get_grad_sync(sync).mark()
 
@@ -157,33 +151,10 @@ def _grad_reduce_wait(g: torch.Tensor, slot: int, rt: int, sync: int) -> None:
     get_grad_sync(sync).wait(g, slot, get_runtime(rt))
 
 
+_lib = torch.library.Library("trinity", "IMPL")
 for _name, _fn in (
     ("grad_sync_mark", _grad_sync_mark),
     ("grad_reduce", _grad_reduce),
     ("grad_reduce_wait", _grad_reduce_wait),
 ):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("trinity::grad_sync_mark", lib=_lib)
-def _grad_sync_mark_fake(sync: int) -> None:
-    return None
-
-
-@torch.library.register_fake("trinity::grad_reduce", lib=_lib)
-def _grad_reduce_fake(g: torch.Tensor, slot: int, rt: int, sync: int, inplace: bool) -> None:
-    return None
-
-
-@torch.library.register_fake("trinity::grad_reduce_wait", lib=_lib)
-def _grad_reduce_wait_fake(g: torch.Tensor, slot: int, rt: int, sync: int) -> None:
-    return None
-
-
-GRAD_SYNC_MARK = torch.ops.trinity.grad_sync_mark.default
-GRAD_REDUCE = torch.ops.trinity.grad_reduce.default
-GRAD_REDUCE_WAIT = torch.ops.trinity.grad_reduce_wait.default
-GRAD_SYNC_OPS = (GRAD_SYNC_MARK, GRAD_REDUCE, GRAD_REDUCE_WAIT)
-
-for _op in GRAD_SYNC_OPS:
-    has_side_effect(_op)

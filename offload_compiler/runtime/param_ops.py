@@ -1,6 +1,7 @@
-"""The ``trinity::param_*`` custom ops of parameter offloading (``offload`` option).
+"""The kernels of the ``trinity::param_*`` ops of parameter offloading (``offload`` option).
 
-Schemas (``slot`` is the id of a :class:`~offload_compiler.runtime.model_state.ParamSlot`, ``rt``
+The schemas, fake implementations and op handles are the IR's (:mod:`offload_compiler.ir.ops`);
+this module registers the kernels. What each does (``slot`` is the id of a :class:`~offload_compiler.runtime.model_state.ParamSlot`, ``rt``
 the id of the compiled graph pair's :class:`~offload_compiler.runtime.transfer.TransferRuntime`,
 whose copy streams and pending-copy table the copies use):
 
@@ -39,27 +40,13 @@ plain FX code (``inner="eager"``): Inductor must not see storages resized under 
 from __future__ import annotations
 
 import torch
-from torch.fx.node import has_side_effect
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..ir import ops as _ir_ops  # noqa: F401  (defines the trinity::* schemas first)
 from .model_state import get_slot, grad_key
 from .transfer import get_runtime
 
-__all__ = [
-    "PARAM_FETCH",
-    "PARAM_FETCH_WAIT",
-    "PARAM_RELEASE",
-    "GRAD_TO_HOST",
-    "GRAD_TO_HOST_WAIT",
-    "PARAM_OPS",
-]
-
-_lib = torch.library.Library("trinity", "FRAGMENT")
-_lib.define("param_fetch(Tensor(a!) p, int slot, int rt) -> ()")
-_lib.define("param_fetch_wait(Tensor(a!) p, int slot, int rt) -> ()")
-_lib.define("param_release(Tensor(a!) p, int slot, bool write_back, int rt) -> ()")
-_lib.define("grad_to_host(Tensor g, int slot, int rt) -> ()")
-_lib.define("grad_to_host_wait(Tensor g, int slot, int rt) -> ()")
+__all__: list[str] = []
 
 
 def _checked_slot(p: torch.Tensor, slot_id: int):
@@ -109,6 +96,7 @@ def _grad_to_host_wait(g: torch.Tensor, slot: int, rt: int) -> None:
     runtime.reap_staged()
 
 
+_lib = torch.library.Library("trinity", "IMPL")
 for _name, _fn in (
     ("param_fetch", _param_fetch),
     ("param_fetch_wait", _param_fetch_wait),
@@ -117,39 +105,3 @@ for _name, _fn in (
     ("grad_to_host_wait", _grad_to_host_wait),
 ):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("trinity::param_fetch", lib=_lib)
-def _param_fetch_fake(p: torch.Tensor, slot: int, rt: int) -> None:
-    return None
-
-
-@torch.library.register_fake("trinity::param_fetch_wait", lib=_lib)
-def _param_fetch_wait_fake(p: torch.Tensor, slot: int, rt: int) -> None:
-    return None
-
-
-@torch.library.register_fake("trinity::param_release", lib=_lib)
-def _param_release_fake(p: torch.Tensor, slot: int, write_back: bool, rt: int) -> None:
-    return None
-
-
-@torch.library.register_fake("trinity::grad_to_host", lib=_lib)
-def _grad_to_host_fake(g: torch.Tensor, slot: int, rt: int) -> None:
-    return None
-
-
-@torch.library.register_fake("trinity::grad_to_host_wait", lib=_lib)
-def _grad_to_host_wait_fake(g: torch.Tensor, slot: int, rt: int) -> None:
-    return None
-
-
-PARAM_FETCH = torch.ops.trinity.param_fetch.default
-PARAM_FETCH_WAIT = torch.ops.trinity.param_fetch_wait.default
-PARAM_RELEASE = torch.ops.trinity.param_release.default
-GRAD_TO_HOST = torch.ops.trinity.grad_to_host.default
-GRAD_TO_HOST_WAIT = torch.ops.trinity.grad_to_host_wait.default
-PARAM_OPS = (PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE, GRAD_TO_HOST, GRAD_TO_HOST_WAIT)
-
-for _op in PARAM_OPS:
-    has_side_effect(_op)

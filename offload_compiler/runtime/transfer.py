@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ir.alias import span_bytes
 from .pool import HostPool, HostPoolStats
 from .streams import ComputeStreams, CopyStreams
 
@@ -29,16 +30,6 @@ __all__ = ["FaultInjection", "TransferRuntime", "TransferStats", "get_runtime", 
 _ids = itertools.count(1)
 _registry: weakref.WeakValueDictionary[int, TransferRuntime] = weakref.WeakValueDictionary()
 _registry_lock = threading.Lock()
-
-
-def span_bytes(size: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
-    """Bytes from a view's first element to the end of its last (0 for an empty view)."""
-    span = 1
-    for s, st in zip(size, stride):
-        if s == 0:
-            return 0
-        span += (s - 1) * st
-    return span * itemsize
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:

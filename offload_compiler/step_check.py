@@ -1,5 +1,8 @@
 """The runtime check of the first steps: measure a plan on the machine it runs on, replan if needed.
 
+It joins the planner (liveness, margins, the pipeline) and the runtime (the host pool), so it
+lives beside the backend, in neither ``passes/`` nor ``runtime/``.
+
 The plan is made from fake tensors: every buffer's size is exact, but what a kernel allocates
 *inside itself* (scratch it frees before returning) is only an estimate, the table
 ``passes/liveness.py:_WORKSPACE`` measured on one CPU. Other machines run other kernels: a oneDNN
@@ -75,8 +78,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..passes.margins import OpKey, WorkspaceMargins, op_key
-from .pool import live_pool_blocks
+from .passes.margins import OpKey, WorkspaceMargins, op_key
+from .runtime.pool import live_pool_blocks
 
 __all__ = ["PlannedSteps", "StepMeasurement", "CheckedCompile", "MAX_REPLANS", "measure_step_enabled"]
 
@@ -128,7 +131,7 @@ class PlannedSteps:
     def of(pair, assume_fusion: bool, margins: WorkspaceMargins | None) -> PlannedSteps:
         """From the rewritten ``pair`` (a :class:`~offload_compiler.graph_pair.GraphPair`),
         before the inner compiler sees it (Inductor changes the graphs in place)."""
-        from ..passes import liveness
+        from .passes import liveness
 
         live = liveness.analyze(pair, assume_fusion=assume_fusion, margins=margins)
         nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
@@ -565,8 +568,8 @@ class CheckedCompile:
             )
 
     def _replan(self) -> None:
-        from ..pipeline import InfeasibleBudgetError
-        from ..report import MeasuredCorrection
+        from .pipeline import InfeasibleBudgetError
+        from .report import MeasuredCorrection
 
         with self._lock:
             m, self._due = self._due, None
@@ -635,7 +638,7 @@ def _replace(old, new, drop=None) -> None:
     follows (the dumps describe the current report)."""
     from pathlib import Path
 
-    from ..report import replace_report
+    from .report import replace_report
 
     replace_report(old, new, drop)
     if new.dump_dir is not None:

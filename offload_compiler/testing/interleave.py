@@ -1,4 +1,4 @@
-"""A CPU fault-finding executor for multi-stream graphs (a test tool).
+"""A CPU fault-finding executor for multi-stream graphs (a test tool, not the product runtime).
 
 :func:`run_interleaved` executes a stream-annotated FX graph (``node.meta["trinity_stream"]``,
 ``trinity::record_event`` / ``wait_event`` nodes, as ``passes/assign_streams.py`` writes them) by
@@ -75,8 +75,9 @@ def run_interleaved(gm: fx.GraphModule, args: list, seed: int) -> Any:
         ValueError: when the number of arguments does not match the graph's placeholders.
         RuntimeError: when no node can run (a wait whose event is never recorded).
     """
-    from ..passes.assign_streams import STREAM_KEY, GraphAccess
-    from .ops import RECORD_EVENT, SET_STREAM, TRANSFER_OPS, WAIT_EVENT
+    from ..ir.meta import STREAM_KEY
+    from ..ir.ops import RECORD_EVENT, SET_STREAM, TRANSFER_OPS, WAIT_EVENT
+    from ..passes.storage_access import GraphAccess
 
     rng = random.Random(seed)
     access = GraphAccess.of(gm.graph, ignore=())
@@ -134,9 +135,9 @@ def run_interleaved(gm: fx.GraphModule, args: list, seed: int) -> Any:
     # The nodes whose values live on each buffer: once every buffer a value lives on is freed
     # and poisoned, the executor drops the value too (the allocator would reuse that memory), so
     # its memory use follows the graph's frees; a later read of it gets a poisoned stand-in.
-    from ..passes.assign_streams import _storages
+    from ..ir.alias import node_storages
 
-    own = {n: set(_storages(n)) for n in nodes if n.op == "call_function" and n not in access.views}
+    own = {n: set(node_storages(n)) for n in nodes if n.op == "call_function" and n not in access.views}
     values_on: dict = {}
     for n, keys in own.items():
         for k in keys:
