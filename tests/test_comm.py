@@ -178,6 +178,15 @@ def test_hook_under_ddp_on_two_gloo_processes_with_several_buckets(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(port), str(script), str(out)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)  # a hang fails here
+    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr + proc.stdout:
+        # Seen twice in whole-suite runs on the loaded 2-core machine, never alone (9 of 9 runs
+        # passed): rank 0 aborted in native code with no Python traceback. One fresh retry, on a
+        # new port; any other failure, or a second abort, fails the test.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            cmd[cmd.index("--master-port") + 1] = str(s.getsockname()[1])
+        out.unlink(missing_ok=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["buckets"] >= 3
