@@ -26,7 +26,7 @@ refused; activation offload (``offload="activations"``) composes with it.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,23 +90,35 @@ def _is_dtensor(x: Any) -> bool:
     return isinstance(x, DTensor)
 
 
-def source_modules(gm: fx.GraphModule | None) -> list[torch.nn.Module]:
-    """Every ``nn.Module`` on the source paths of ``gm``'s inputs (resolved in the frame being
-    compiled), outermost first; ``[]`` outside a Dynamo compile."""
-    if gm is None:
-        return []
+def dynamo_source_resolver() -> Callable[[Any], Any] | None:
+    """A function mapping a Dynamo ``Source`` to its value in the frame being compiled, or
+    ``None`` outside a Dynamo compile (no current instruction translator) or with a Dynamo that
+    lacks this machinery. Uses ``OutputGraph.resolve_source_value`` where torch has it, else the
+    source's ``get_value`` on the root frame's globals and locals (torch 2.11)."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         output = InstructionTranslator.current_tx().output
     except Exception:  # noqa: BLE001  (not inside a Dynamo compile, or another torch)
-        return []
+        return None
 
     def resolve(source):
         if hasattr(output, "resolve_source_value"):
             return output.resolve_source_value(source)
         root_tx = output.root_tx
         return source.get_value({"G": root_tx.f_globals, "L": root_tx.f_locals}, {}, {})
+
+    return resolve
+
+
+def source_modules(gm: fx.GraphModule | None) -> list[torch.nn.Module]:
+    """Every ``nn.Module`` on the source paths of ``gm``'s inputs (resolved in the frame being
+    compiled), outermost first; ``[]`` outside a Dynamo compile."""
+    if gm is None:
+        return []
+    resolve = dynamo_source_resolver()
+    if resolve is None:
+        return []
 
     found: dict[int, torch.nn.Module] = {}
     seen_sources: set[str] = set()

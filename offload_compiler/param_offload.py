@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .distributed import dynamo_source_resolver
 from .graph_pair import GraphPair
 from .options import TrinityOptions, format_bytes
 from .passes import param_residency
@@ -51,18 +52,9 @@ def owning_roots(gm: fx.GraphModule, positions: Sequence[int]) -> list[torch.nn.
     with a Dynamo that lacks this machinery: the hooks are a convenience, reads of released
     parameters still fail clearly (see :mod:`.runtime.model_state`).
     """
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        output = InstructionTranslator.current_tx().output
-    except Exception:  # noqa: BLE001  (not inside a Dynamo compile, or another torch)
+    resolve = dynamo_source_resolver()
+    if resolve is None:
         return []
-
-    def resolve(source):
-        if hasattr(output, "resolve_source_value"):
-            return output.resolve_source_value(source)
-        root_tx = output.root_tx
-        return source.get_value({"G": root_tx.f_globals, "L": root_tx.f_locals}, {}, {})
 
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     roots: dict[int, torch.nn.Module] = {}
