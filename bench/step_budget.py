@@ -24,6 +24,8 @@ SLACK = 64 * 1024
 
 
 class Broken(nn.Module):
+    """Six linear+tanh layers, a graph break, six more and the loss: two graph pairs."""
+
     def __init__(self, d=64, n=6):
         super().__init__()
         self.a = nn.ModuleList(nn.Linear(d, d) for _ in range(n))

@@ -14,27 +14,11 @@ import torch
 import torch.nn as nn
 
 import offload_compiler
+from bench.step_budget import Broken  # the model of the step-budget benchmark
 from offload_compiler import measure_peak_device_bytes, step_report
 from offload_compiler.pipeline import InfeasibleBudgetError
 
 PEAK_SLACK_BYTES = 64 * 1024  # as in test_e2e.py
-
-
-class Broken(nn.Module):
-    """Six linear+tanh layers, a graph break, six more and the loss: two graph pairs."""
-
-    def __init__(self, d=64, n=6):
-        super().__init__()
-        self.a = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
-        self.b = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
-
-    def forward(self, x):
-        for lin in self.a:
-            x = torch.tanh(lin(x))
-        torch._dynamo.graph_break()
-        for lin in self.b:
-            x = torch.tanh(lin(x))
-        return x.pow(2).mean()
 
 
 def nbytes(params) -> int:
