@@ -425,3 +425,25 @@ def test_updates_that_finish_in_time_change_nothing():
 def test_invalid_updates_raise(update, match):
     with pytest.raises(ValueError, match=match):
         simulate([1.0, 1.0], [d2h(0, 1.0, 0, 1)], [update])
+
+
+def test_the_steady_state_stops_when_the_carry_alternates_in_the_last_bit():
+    # llama-70b's update carry alternated by 7e-15 s on a 57.8 s step forever; with exact equality
+    # every simulation ran to its repetition limit (len(updates) + 2 steps: 287, 200 s of planning).
+    from offload_compiler.passes import simulate as sim
+
+    calls = []
+
+    def next_carry(carry):
+        calls.append(dict(carry))
+        wobble = 7.105427357601002e-15 * (len(calls) % 2)
+        return {0: 3.0 + wobble, 1: 1.25 - wobble}, 57.83593302381792
+
+    carry = sim._settle(next_carry, limit=287)
+    assert len(calls) == 2  # {} -> the first carry -> its 1-ulp twin, accepted as the same state
+    assert carry == {0: 3.0 + 7.105427357601002e-15, 1: 1.25 - 7.105427357601002e-15}
+
+    # A carry that really moves (by more than 1e-12 of the step) is followed to the limit.
+    calls.clear()
+    assert sim._settle(lambda c: (calls.append(1) or {0: float(len(calls))}, 57.8), limit=9) == {0: 9.0}
+    assert len(calls) == 9
