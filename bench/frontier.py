@@ -322,16 +322,11 @@ def gpu_models() -> list[dict]:
 def _predict_pytorch(traced, device, state_bytes: int) -> dict:
     """Peak (bytes, optimizer state included) and predicted step (seconds: compute only) of a
     traced PyTorch partitioning on ``device``'s figures."""
-    from offload_compiler.graph_pair import fill_tuple_vals
-    from offload_compiler.passes import cost_model, liveness, reorder
+    from offload_compiler.passes import cost_model, liveness
+    from offload_compiler.pipeline import prepare
 
     pair = traced.pair
-    if not traced.prepared:
-        fill_tuple_vals(pair.forward)
-        fill_tuple_vals(pair.backward)
-        reorder.hoist_frees(pair.forward)
-        reorder.hoist_frees(pair.backward)
-        traced.prepared = True
+    prepare(pair)  # the planning passes' graph preparation, once per pair (as plan_step runs it)
     live = liveness.analyze(pair, assume_fusion=True)
     costs = cost_model.estimate(pair, live, device)
     return {"peak_bytes": live.peak_bytes + state_bytes, "step_seconds": costs.compute_seconds}
