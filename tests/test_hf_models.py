@@ -14,6 +14,9 @@ case checks:
 * the measured peak device bytes (the CPU allocator's trace, as in ``test_e2e``) within the budget
   where it is feasible;
 * graph breaks: the same number of breaks and of compiled graphs as plain Inductor.
+
+Falcon runs with ``inner="eager"`` only: torch 2.13's CPU Inductor writes out of bounds in its
+backward (:data:`INDUCTOR_WRITES_OUT_OF_BOUNDS`).
 """
 
 from __future__ import annotations
@@ -287,19 +290,23 @@ def _check_memory(model, compiled, batch, reports, budget: str, helps: bool = Tr
     )
 
 
-# An open defect, not a pass: in two whole-suite runs (after every earlier test file, on this
-# machine and in CI) the process died in falcon's first trinity+Inductor backward, the one the
-# runtime check profiles: glibc found a free heap chunk whose first 64 bytes held float32 values
-# (16 floats of gradient size, ~1e-7), i.e. a write past a buffer or into freed memory. Alone, or
-# with its file only, both cases pass (also under MALLOC_PERTURB_). Until the writer is found these
-# two cases do not run, so the suite cannot crash on them; see the closing note of 2026-12-01.
-HEAP_CORRUPTION = {("falcon", "inductor")}
+# Falcon does not run under Inductor here: torch 2.13's CPU code generation writes out of bounds
+# in falcon's backward (the accumulating index_put of the fused query/key/value gradient, in its
+# 2-D tiled loop: the inner tile index is scaled twice, e.g. `64*x1 + 128*x1_inner` for rows of 64
+# floats). Plain Inductor's own backward of this model has the same mis-scaled index (`x1 +
+# 2*x1_inner`: wrong addresses, inside the buffer where valgrind ran it), and under trinity's
+# layouts the kernel writes up to 448 floats past a 64 KiB buffer (valgrind: "Invalid read of size
+# 4 ... 0 bytes after a block of size 65,536", in `atomic_add_vec`). In whole-suite
+# runs that corrupted the heap and killed the process (SIGSEGV/SIGABRT in a later malloc). Falcon's
+# eager cases still run (compared with aot_eager, and their graph count with aot_eager's: Dynamo's
+# graph breaks do not depend on the backend).
+INDUCTOR_WRITES_OUT_OF_BOUNDS = {"falcon"}
 
 
 def _case(arch: str, inner: str):
-    if (arch, inner) in HEAP_CORRUPTION:
+    if inner == "inductor" and arch in INDUCTOR_WRITES_OUT_OF_BOUNDS:
         return pytest.param(
-            arch, inner, marks=pytest.mark.skip(reason="open defect: heap corruption seen in whole-suite runs")
+            arch, inner, marks=pytest.mark.skip(reason="torch 2.13 CPU Inductor writes out of bounds in this backward")
         )
     return pytest.param(arch, inner)
 
@@ -317,7 +324,9 @@ def test_hf_model_trains_like_its_reference(arch, inner, budget):
     reports = offload_compiler.reports()[before:]
     assert reports, "trinity planned no training graph"
     # Graph breaks: exactly those plain Inductor has (Dynamo's, not trinity's).
-    assert graphs == _plain(arch, "inductor")[2] == plain_graphs
+    assert graphs == plain_graphs
+    if arch not in INDUCTOR_WRITES_OUT_OF_BOUNDS:
+        assert graphs == _plain(arch, "inductor")[2]
     if inner == "eager":
         for k in range(STEPS):
             assert torch.equal(run.losses[k], plain_losses[k]), f"step {k} loss"
