@@ -321,22 +321,32 @@ class TrinityOptions:
             values[key] = (value, key)
         kwargs = {name: _validate(name, value, where) for name, (value, where) in values.items()}
         opts = cls(**kwargs)
+
+        def sources(*names: str) -> str:
+            """Where each value came from (an option, a ``TRINITY_*`` variable, or the default)."""
+            def src(name):
+                where = values[name][1] if name in values else None
+                return "the default" if where is None else (where if where.startswith(ENV_PREFIX) else "options")
+
+            return " (" + "; ".join(f"{n} from {src(n)}" for n in names) + ")"
+
         if opts.strategy == "recompute" and opts.offload != "activations":
             raise ValueError(
                 f"trinity option 'strategy': 'recompute' is not combined with offload={opts.offload!r} yet "
                 "(with parameter offload saved activations are kept or offloaded); use strategy='auto' or "
-                "'offload', or offload='activations'"
+                "'offload', or offload='activations'" + sources("strategy", "offload")
             )
         if opts.optimizer_on_device != 0.0 and opts.offload != "all":
             raise ValueError(
                 f"trinity option 'optimizer_on_device': {opts.optimizer_on_device!r} needs offload='all' (the "
                 f"optimizer state is on the device anyway otherwise); got offload={opts.offload!r}"
+                + sources("optimizer_on_device", "offload")
             )
         if opts.offload != "activations" and opts.inner != "eager":
             raise ValueError(
                 f"trinity option 'offload': {opts.offload!r} needs inner='eager' (parameter storages are "
                 "resized inside the graph, which Inductor's buffer planning does not allow); got "
-                f"inner={opts.inner!r}"
+                f"inner={opts.inner!r}" + sources("offload", "inner")
             )
         return opts
 

@@ -347,6 +347,8 @@ def test_fuzz_inductor_config_round_trips_or_names_the_setting(config):
 )
 # Found by this test: "¹" passed str.isdigit() and int() then raised a ValueError naming nothing.
 @example({"TRINITY_FAULT_INJECTION": "¹"})
+# And this one: a conflict with a default value (offload) named no variable.
+@example({"TRINITY_OPTIMIZER_ON_DEVICE": "1"})
 def test_fuzz_environment_values_round_trip_or_name_the_variable(env):
     from offload_compiler.options import TrinityOptions
 
