@@ -324,6 +324,7 @@ class TrinityOptions:
 
         def sources(*names: str) -> str:
             """Where each value came from (an option, a ``TRINITY_*`` variable, or the default)."""
+
             def src(name):
                 where = values[name][1] if name in values else None
                 return "the default" if where is None else (where if where.startswith(ENV_PREFIX) else "options")

@@ -335,7 +335,7 @@ def plan_step(
         param_bytes=traced.param_bytes,
         optimizer_state_bytes=full_state,
         unplanned_peak_bytes=first.predictions.unplanned_peak_bytes,
-        compute_seconds=first.costs.compute_seconds,
+        compute_seconds=analysis.costs.compute_seconds,  # the unrewritten pair (a recompute plan adds its own)
         rows=tuple(rows),
         trace_seconds=trace_seconds,
         plan_seconds=time.perf_counter() - t0,

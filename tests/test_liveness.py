@@ -356,3 +356,61 @@ def test_meta_device_graph():
     assert live.device == "meta"
     assert all(b.device == "meta" and b.on_device for b in live.buffers)
     assert live.peak_bytes == 188
+
+
+def test_fusion_models_inductors_addmm_pattern():
+    """Inductor's post-grad pass turns ``add(mm(a, b), c)`` into ``addmm(c, a, b)`` at the add: the
+    product runs there, so ``a`` and ``b`` stay live up to the add and the product is never
+    allocated. A tied weight's gradient (two products added) is the case that broke the GPT
+    frontier's measured peak: the head's product moved to the end of the backward."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(64, 16, requires_grad=True)
+
+    def fn(w, x):
+        h = torch.tanh(x @ w)  # w's first use
+        return (h @ w).sum()  # w's second use: dW = mm(x^T, g1) + mm(h^T, g2)
+
+    pair = capture_pair(fn, w, x, static=(0,))
+    plain = liveness.analyze(pair)
+    fused = liveness.analyze(pair, assume_fusion=True)
+    bw = list(pair.backward.graph.nodes)
+    adds = [n for n in bw if n.target is torch.ops.aten.add.Tensor]
+    (add,) = [a for a in adds if any(m.target is torch.ops.aten.mm.default for m in a.all_input_nodes)]
+    a0, a1 = add.args
+    assert a0.target is torch.ops.aten.mm.default and a1.target is torch.ops.aten.mm.default
+    # Of add(mm_a, mm_b) Inductor fuses mm_b (the pattern with the product second is tried first).
+    assert liveness.addmm_fused_into(a1) is add and liveness.addmm_fused_into(a0) is None
+    mm_b = buffer_holding(fused, f"backward:{a1.name}")
+    assert mm_b.fused and not buffer_holding(plain, f"backward:{a1.name}").fused
+    assert not buffer_holding(fused, f"backward:{add.name}").fused  # the addmm's output is allocated
+    # mm_b's inputs are read at the add's step, not at mm_b's.
+    step = {f"{s.graph}:{s.node}": i for i, s in enumerate(fused.steps)}
+    for inp in a1.all_input_nodes:
+        root = inp
+        while root.op == "call_function" and root.target in (torch.ops.aten.t.default, torch.ops.aten.permute.default):
+            root = root.args[0]
+        b = buffer_holding(fused, f"backward:{root.name}")
+        if b.kind is BufferKind.PARAMETER or b.kind is BufferKind.INPUT:
+            continue
+        assert b.last_step >= step[f"backward:{add.name}"], (inp, b)
+
+
+def test_addmm_pattern_needs_a_broadcastable_same_dtype_input():
+    torch.manual_seed(0)
+    a = torch.randn(8, 4, requires_grad=True)
+    b = torch.randn(4, 8, requires_grad=True)
+    c = torch.randn(8, 8, 2)  # does not broadcast to (8, 8)
+
+    def fn(a, b, c):
+        return (torch.ops.aten.add.Tensor(a @ b, c[..., 0]).sin() + c.sum(-1)).sum()
+
+    def fn_bad(a, b, c):
+        return (torch.ops.aten.add.Tensor(a @ b, c[..., 0].double()).sin()).sum()
+
+    good = capture_pair(fn, a, b, c)
+    mm = next(n for n in good.forward.graph.nodes if n.target is torch.ops.aten.mm.default)
+    assert liveness.addmm_fused_into(mm) is not None
+    bad = capture_pair(fn_bad, a, b, c)
+    mm = next(n for n in bad.forward.graph.nodes if n.target is torch.ops.aten.mm.default)
+    assert liveness.addmm_fused_into(mm) is None  # float64 input: Inductor keeps mm and add apart

@@ -720,9 +720,14 @@ def test_runtime_check_forms_and_errors():
 def test_a_conflict_between_options_says_where_each_value_came_from():
     # Found by the environment fuzz test: TRINITY_OPTIMIZER_ON_DEVICE=1 alone was refused with a
     # message that named no variable (offload came from the default).
-    with pytest.raises(ValueError, match=r"needs offload='all'.*\(optimizer_on_device from TRINITY_OPTIMIZER_ON_DEVICE; offload from the default\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs offload='all'.*\(optimizer_on_device from TRINITY_OPTIMIZER_ON_DEVICE; offload from the default\)",
+    ):
         build(env={"TRINITY_OPTIMIZER_ON_DEVICE": "1"})
     with pytest.raises(ValueError, match=r"needs inner='eager'.*\(offload from TRINITY_OFFLOAD; inner from options\)"):
         build({"inner": "inductor"}, env={"TRINITY_OFFLOAD": "all"})
-    with pytest.raises(ValueError, match=r"'recompute' is not combined.*\(strategy from options; offload from options\)"):
+    with pytest.raises(
+        ValueError, match=r"'recompute' is not combined.*\(strategy from options; offload from options\)"
+    ):
         build({"strategy": "recompute", "offload": "all", "inner": "eager"})

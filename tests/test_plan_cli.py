@@ -219,3 +219,15 @@ def test_offload_all_plans_count_the_host_update(capsys):
     assert main(["--model", "demo", "--seq-len", "256", "--offload", "all", "--budgets", "device", "--png", ""]) == 0
     out = capsys.readouterr().out
     assert "host optimizer update: adamw (loop) on the host" in out and "host update" in out
+
+
+def test_step_without_offloading_is_the_unplanned_pairs_whatever_the_first_budget():
+    """``compute_seconds`` ("step without offloading") is the unrewritten pair's: a recompute plan
+    listed first must not lend it its recomputation (it once printed 119.9 ms for llama-1b on an
+    H100 with a 13 GiB budget first, 109.7 ms with 100% first)."""
+    kw = dict(batch=16, seq_len=128, dtype=torch.float32, optimizer="adamw", min_offload_bytes=0)
+    tight = plan_model("demo", A100, ["40%", "100%"], strategy="recompute", **kw)
+    rows = {row.budget: row for row in tight.rows}
+    assert rows["40%"].num_recomputed > 0 and rows["40%"].recompute_seconds > 0
+    assert tight.compute_seconds == pytest.approx(rows["100%"].predicted_step_seconds, rel=1e-12)
+    assert rows["40%"].predicted_step_seconds > tight.compute_seconds

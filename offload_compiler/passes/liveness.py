@@ -416,16 +416,90 @@ def _is_host_placeholder(node: fx.Node) -> bool:
 
 
 def _fusible(node: fx.Node) -> bool:
-    """A pointwise op whose only reader is a pointwise op or a reduction: Inductor computes it
-    inside the reader's kernel and never allocates it."""
+    """A node Inductor computes inside its only reader's kernel and never allocates: a pointwise
+    op whose only reader is a pointwise op or a reduction (and not an ``add`` that becomes an
+    ``addmm``), or an ``mm`` that Inductor's ``addmm`` pattern fuses into that reader
+    (:func:`addmm_fused_into`)."""
+    if addmm_fused_into(node) is not None:
+        return True
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     if torch.Tag.pointwise not in node.target.tags or len(node.users) != 1:
         return False
+    if any(addmm_fused_into(a) is node for a in node.all_input_nodes):
+        return False  # an add that becomes an extern addmm kernel is allocated
     (user,) = node.users
     if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
         return False
+    if any(addmm_fused_into(a) is user for a in user.all_input_nodes):
+        return False  # the reader is an extern addmm kernel, nothing fuses into it
     return torch.Tag.pointwise in user.target.tags or torch.Tag.reduction in user.target.tags
+
+
+_GPU_DEVICE_TYPES = frozenset({"cuda", "xpu", "mtia"})
+
+
+def addmm_fused_into(node: fx.Node) -> fx.Node | None:
+    """The ``add`` that Inductor's post-grad ``addmm`` pattern fuses ``node`` (an ``aten.mm``)
+    into, or ``None``.
+
+    ``torch/_inductor/fx_passes/post_grad.py`` (``addmm``, ``is_valid_addmm_fusion``,
+    ``should_prefer_unfused_addmm``) replaces ``add(mm(a, b), c)`` (either argument order, no
+    ``alpha``, the mm read by the add alone, ``c`` a tensor of the mm's dtype that broadcasts to
+    its shape) with ``addmm(c, a, b)`` *at the add*: the product then runs where the add is, so
+    ``a`` and ``b`` stay allocated up to there and the product itself is never allocated. On a
+    GPU the pattern is skipped when every reader of the add is pointwise. A tied weight's two
+    gradient terms (a language model's head and its token embedding) are the common case: the
+    head's product moves from the start of the backward to its end, with the logits' gradient.
+    """
+    if not _is_single_use_mm(node):
+        return None
+    (add,) = node.users
+    if add.op != "call_function" or add.target is not torch.ops.aten.add.Tensor or add.kwargs or len(add.args) != 2:
+        return None
+    a, b = add.args
+    if (a is node) == (b is node):
+        return None
+    # add(mm_a, mm_b): the pattern with the product second is tried first, so mm_b is fused
+    # (checked with torch 2.13: ``addmm(mm_a, c, d)``).
+    if a is node and _is_single_use_mm(b) and _addmm_valid(b, a):
+        return None
+    return add if _addmm_valid(node, b if a is node else a) else None
+
+
+def _is_single_use_mm(node) -> bool:
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target is torch.ops.aten.mm.default
+        and len(node.users) == 1
+    )
+
+
+def _addmm_valid(node: fx.Node, inp) -> bool:
+    """``is_valid_addmm_fusion`` and ``should_prefer_unfused_addmm`` of Inductor's post-grad
+    pass for ``add(node, inp)`` (``node`` an ``aten.mm``)."""
+    (add,) = node.users
+    vals = [x.meta.get("val") if isinstance(x, fx.Node) else None for x in (inp, *node.args[:2], node)]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return False
+    v_inp, v_a, v_b, v_out = vals
+    if not (v_inp.dtype == v_a.dtype == v_b.dtype):
+        return False
+    try:
+        if torch.broadcast_shapes(v_inp.shape, v_out.shape) != v_out.shape:
+            return False
+    except (RuntimeError, ValueError):
+        return False
+    return not (v_out.device.type in _GPU_DEVICE_TYPES and all(_is_pointwise(u) for u in add.users))
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and torch.Tag.pointwise in node.target.tags
+    )
 
 
 def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMargins | None = None) -> Liveness:
@@ -433,7 +507,8 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
 
     With ``assume_fusion`` (the inner compiler is Inductor), a temporary made by a pointwise op
     whose only reader is pointwise or a reduction is taken to be fused away (see
-    :attr:`Buffer.fused`). With ``margins`` (workspace measured on this machine, see
+    :attr:`Buffer.fused`), and so is a matrix product that Inductor's ``addmm`` pattern moves into
+    the add reading it (:func:`addmm_fused_into`). With ``margins`` (workspace measured on this machine, see
     :mod:`.margins`), a node's workspace is the larger of :data:`_WORKSPACE`'s and the measured one.
 
     The phases, one function each: the joint schedule (:func:`_schedule`), storage keys and their
