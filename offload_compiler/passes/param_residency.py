@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch.fx as fx
@@ -57,6 +57,7 @@ import torch.fx as fx
 from ..graph_pair import GraphPair
 from ..ir.meta import NOTE_KEY, PARAM_COPY_KEY
 from ..ir.ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT, PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE
+from ..ir.refs import plain_dict
 from .cost_model import Costs
 from .liveness import Buffer, BufferKind, Liveness
 
@@ -158,7 +159,7 @@ class ResidencyPlan:
 
     def to_json(self) -> str:
         """The plan as JSON, with the per-step resident parameter bytes (for dumps)."""
-        d = asdict(self)
+        d = plain_dict(self)
         d["resident_param_bytes"] = self.resident_param_bytes().tolist()
         return json.dumps(d, indent=1)
 
@@ -634,7 +635,15 @@ def activation_view(live: Liveness, the_plan: ResidencyPlan) -> Liveness:
         for first, last in p.resident_steps:
             extra.append(
                 replace(
-                    b, id=next_id, def_step=first, last_step=last, use_steps=(), nodes=(), saved=(), source_step=None
+                    b,
+                    id=next_id,
+                    def_step=first,
+                    last_step=last,
+                    use_steps=(),
+                    nodes=(),
+                    holders=(),
+                    saved=(),
+                    source_step=None,
                 )
             )
             next_id += 1
