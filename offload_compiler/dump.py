@@ -32,13 +32,13 @@ shows stream 0, where the weight was written).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch.fx as fx
 
 from .ir.meta import NOTE_KEY, STREAM_KEY
+from .ir.refs import plain_dict
 
 __all__ = ["GraphDumper"]
 
@@ -69,7 +69,7 @@ class GraphDumper:
 
     def json(self, name: str, obj) -> None:
         if hasattr(obj, "__dataclass_fields__"):
-            obj = asdict(obj)
+            obj = plain_dict(obj)
         (self.dir / name).write_text(json.dumps(obj, indent=1, default=str))
 
     def text(self, name: str, text: str) -> None:

@@ -55,16 +55,20 @@ class GraphPair:
         out = self.fw_output_node().args[0]
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
-    def saved_links(self) -> list[SavedLink]:
+    def saved_links(self, sizes: bool = False) -> list[SavedLink]:
         """Saved tensor outputs of the forward with their backward placeholders; a saved tensor
-        with no placeholder has ``None``.
+        with no placeholder has ``None``. With ``sizes``, the saved values that are not tensors
+        (size symbols) follow, bound by name.
 
         Bound by name, which the partitioner keeps equal, except for the random-number-generator
         states of activation checkpointing: the partitioner names their backward placeholders
         ``rng_state_output_<k>``. Those are bound by position: the backward's tensor placeholders
         are the saved tensors in the forward's output order, then the tangents
         (``torch/_functorch/partitioners.py``, ``functionalize_rng_ops``). Position is used only
-        where every name-bound link agrees with it."""
+        where every name-bound link agrees with it.
+
+        This is the one place the two graphs are bound to each other; the analyses carry the nodes
+        from here on (:mod:`offload_compiler.ir.refs`)."""
         bw_placeholders = list(self.backward.graph.find_nodes(op="placeholder"))
         bw_by_name = {n.name: n for n in bw_placeholders}
         bw_tensors = [n for n in bw_placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
@@ -88,6 +92,11 @@ class GraphPair:
                 if candidate.name.startswith("rng_state_output"):
                     ph = candidate
             links.append(SavedLink(i, node, ph))
+        if sizes:
+            for i, node in enumerate(self.fw_outputs()):
+                if i >= self.num_fwd_outputs and isinstance(node, fx.Node):
+                    if not isinstance(node.meta.get("val"), torch.Tensor):
+                        links.append(SavedLink(i, node, bw_by_name.get(node.name)))
         return links
 
 

@@ -33,7 +33,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from .devices import DeviceSpec, detect_device_spec
 from .dump import GraphDumper
 from .graph_pair import GraphPair, fill_tuple_vals
+from .ir.refs import plain_dict
 from .options import TrinityOptions
 from .passes import (
     assign_streams,
@@ -499,7 +500,10 @@ def _insert_recompute(ctx: RewriteContext, plan: PairPlan) -> PairPlan | None:
         )
     # The activation plan's steps refer to the graphs with the recomputation.
     ctx.step_nodes = list(fw) + list(bw)
-    return plan
+    # Its liveness was computed on the planner's copy of these graphs: its node references move
+    # to the real graphs, step for step (checked equal above; ``Liveness.rebind``).
+    live = plan.activation_liveness.rebind(ctx.step_nodes)
+    return replace(plan, activation_liveness=live, joint=replace(joint, liveness=live))
 
 
 def _insert_transfers(ctx: RewriteContext, plan: PairPlan) -> PairPlan | None:
@@ -534,7 +538,7 @@ def _assign_streams(ctx: RewriteContext, plan: PairPlan) -> PairPlan | None:
     if not stream_plans:
         return None
     if ctx.dumper:
-        ctx.dumper.json("streams.json", {k: asdict(v) for k, v in stream_plans.items()})
+        ctx.dumper.json("streams.json", {k: plain_dict(v) for k, v in stream_plans.items()})
     return replace(plan, stream_plans=stream_plans)
 
 
@@ -660,7 +664,7 @@ def _liveness_json(live: liveness.Liveness, costs: cost_model.Costs) -> dict[str
             }
             for b in live.buffers
         ],
-        "saved": [asdict(s) for s in live.saved],
+        "saved": [plain_dict(s) for s in live.saved],
     }
 
 

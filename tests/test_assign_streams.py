@@ -248,31 +248,34 @@ def fan(x, w1, w2, w3):
     return a + b
 
 
-def hand_plan(keep_alive: bool) -> A.StreamPlan:
-    """``fan`` with ``mm`` on stream 1: entry event 0, event 1 after ``mm``. With ``keep_alive``
-    stream 0 waits for event 1 right after ``mm`` holding ``w1``; without, only before ``add``."""
+def hand_plan(gm, keep_alive: bool) -> A.StreamPlan:
+    """``fan`` (traced as ``gm``) with ``mm`` on stream 1: entry event 0, event 1 after ``mm``. With
+    ``keep_alive`` stream 0 waits for event 1 right after ``mm`` holding ``w1``; without, only
+    before ``add``. The plan carries ``gm``'s nodes, as :func:`assign_streams.plan` makes it."""
+    node = {n.name: n for n in gm.graph.nodes}  # the test names the nodes it places by hand
     streams = (("x_1", 0), ("w1_1", 0), ("w2_1", 0), ("w3_1", 0), ("mm", 1), ("mm_1", 0), ("add", 0), ("output", 0))
-    records = (A.EventRecord(0, "w3_1", 0), A.EventRecord(1, "mm", 1))
-    waits = [A.EventWait(0, 1, "mm", "before")]
+    records = (A.EventRecord(0, "w3_1", 0, node["w3_1"]), A.EventRecord(1, "mm", 1, node["mm"]))
+    waits = [A.EventWait(0, 1, "mm", "before", anchor_ref=node["mm"])]
     if keep_alive:
-        waits.append(A.EventWait(1, 0, "mm", "after", ("w1_1",)))
+        waits.append(A.EventWait(1, 0, "mm", "after", ("w1_1",), node["mm"], (node["w1_1"],)))
     else:
-        waits.append(A.EventWait(1, 0, "add", "before"))
-    return A.StreamPlan(2, streams, records, tuple(waits), 1.0, 1.0)
+        waits.append(A.EventWait(1, 0, "add", "before", anchor_ref=node["add"]))
+    nodes = tuple(node[name] for name, _ in streams)
+    return A.StreamPlan(2, streams, records, tuple(waits), 1.0, 1.0, nodes)
 
 
 def test_a_free_without_keep_alive_fails_the_check_and_shows_nan():
     args = inputs(seed=4)
     expected = fan(*args)
     good = traced(fan, args)
-    A.apply(good, hand_plan(keep_alive=True), RT)
+    A.apply(good, hand_plan(good, keep_alive=True), RT)
     assert check_streams(good) == []
     (join,) = [w for w in event_nodes(good, WAIT_EVENT) if w.args[3] == 0]
     assert [n.name for n in join.args[0]] == ["w1_1"]
     assert all(torch.equal(run_interleaved(good, list(args), s), expected) for s in range(100))
 
     bad = traced(fan, args)
-    A.apply(bad, hand_plan(keep_alive=False), RT)
+    A.apply(bad, hand_plan(bad, keep_alive=False), RT)
     errors = check_streams(bad)
     assert len(errors) == 1 and "freed" in errors[0] and "'mm'" in errors[0] and "'mm_1'" in errors[0]
     outs = [run_interleaved(bad, list(args), s) for s in range(100)]

@@ -1,5 +1,6 @@
 """Trinity's IR: the ``trinity::*`` op schemas and handles (:mod:`.ops`), the ``node.meta`` keys
-the passes write (:mod:`.meta`) and the one aliasing rule (:mod:`.alias`).
+the passes write (:mod:`.meta`), the one aliasing rule (:mod:`.alias`) and node references in
+frozen results (:mod:`.refs`).
 
 A leaf: it imports torch and nothing else of trinity. Both the passes and the runtime import it;
 the passes never import the runtime, nor the runtime the passes (``tests/test_imports.py``).
@@ -41,6 +42,7 @@ from .ops import (
     TRANSFER_OPS,
     WAIT_EVENT,
 )
+from .refs import NODE_REF, node_ref, plain_dict
 
 __all__ = [
     "EVICT",
@@ -79,4 +81,7 @@ __all__ = [
     "schema_view_of",
     "ordering_args",
     "mutated_args",
+    "NODE_REF",
+    "node_ref",
+    "plain_dict",
 ]

@@ -66,6 +66,7 @@ from ..ir.ops import (
     TRANSFER_OPS,
     WAIT_EVENT,
 )
+from ..ir.refs import node_ref
 from .storage_access import GraphAccess
 
 __all__ = [
@@ -123,23 +124,28 @@ def graph_seconds(gm: fx.GraphModule, spec, pinned: bool = True) -> tuple[dict, 
 # ------------------------------------------------------------------------------ the plan
 @dataclass(frozen=True)
 class EventRecord:
-    """Event ``event`` recorded on ``stream`` right after node ``after`` (a node name)."""
+    """Event ``event`` recorded on ``stream`` right after node ``after`` (a node name; ``after_ref``
+    is the node itself, which :func:`apply` uses)."""
 
     event: int
     after: str
     stream: int
+    after_ref: fx.Node | None = node_ref()
 
 
 @dataclass(frozen=True)
 class EventWait:
     """``stream`` waits for event ``event``, placed ``where`` (``"before"``/``"after"``) node
-    ``anchor``; ``keep`` names the nodes whose tensors it keeps alive."""
+    ``anchor``; ``keep`` names the nodes whose tensors it keeps alive. ``anchor_ref`` and
+    ``keep_refs`` are those nodes themselves, which :func:`apply` uses."""
 
     event: int
     stream: int
     anchor: str
     where: str
     keep: tuple[str, ...] = ()
+    anchor_ref: fx.Node | None = node_ref()
+    keep_refs: tuple[fx.Node, ...] = node_ref(())
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,7 @@ class StreamPlan:
         num_streams: streams the plan was allowed to use.
         streams: ``(node name, stream)`` for every node of the graph (views: the stream of
             the buffer they view).
+        nodes: the nodes of ``streams``, in the same order (references into the graph planned).
         records, waits: the events to insert.
         single_stream_seconds: simulated time with every node on stream 0.
         seconds: simulated time of this plan (equal to the above when it uses one stream).
@@ -161,6 +168,7 @@ class StreamPlan:
     waits: tuple[EventWait, ...]
     single_stream_seconds: float
     seconds: float
+    nodes: tuple[fx.Node, ...] = node_ref(())
 
     @property
     def num_events(self) -> int:
@@ -242,7 +250,7 @@ class _Walk:
         ev = self.record_of.get(p)
         if ev is None:
             ev = self.record_of[p] = len(self.records)
-            self.records.append(EventRecord(ev, p.name, self.stream[p]))
+            self.records.append(EventRecord(ev, p.name, self.stream[p], p))
         return ev
 
     def _merge(self, B: int, p: fx.Node) -> None:
@@ -314,13 +322,13 @@ class _Walk:
             # B itself read them last, the free is already in B's order (and an evicted buffer
             # must not outlive its evict_wait).
             cross = P not in self.a.views and self.stream.get(P, 0) != B
-            held = tuple(dict.fromkeys(self.a.holder[k].name for k in keys if k in self.a.holder)) if cross else ()
-            self.waits.append(EventWait(ev, B, P.name, "after", held))
+            held = tuple(dict.fromkeys(self.a.holder[k] for k in keys if k in self.a.holder)) if cross else ()
+            self.waits.append(EventWait(ev, B, P.name, "after", tuple(h.name for h in held), P, held))
             self._merge(B, p)
         for A, q in sorted(self._needs(n, B, final=final).items()):
             p = self._at(A, q)
             ev = self._event_after(p)
-            self.waits.append(EventWait(ev, B, n.name, "before"))
+            self.waits.append(EventWait(ev, B, n.name, "before", anchor_ref=n))
             self._merge(B, p)
         start = self.free[B]
         if n.op == "call_function" and n.target in (EVICT, PREFETCH):
@@ -417,6 +425,7 @@ def plan(
         waits=tuple(best.waits) if best is not single else (),
         single_stream_seconds=single_time,
         seconds=best_time,
+        nodes=tuple(access.nodes),
     )
 
 
@@ -440,15 +449,21 @@ def apply(gm: fx.GraphModule, the_plan: StreamPlan, runtime_id: int, event_offse
         Counts of inserted nodes (``{"record_event": n, "wait_event": n, "set_stream": n}``).
 
     Raises:
-        ValueError: if the plan names nodes that are not in ``gm``.
+        ValueError: if the plan's nodes are not nodes of ``gm`` (a plan of :func:`plan` on ``gm``
+            carries them: :attr:`StreamPlan.nodes`, ``after_ref``, ``anchor_ref``, ``keep_refs``).
     """
     graph = gm.graph
-    by_name = {n.name: n for n in graph.nodes}
-    missing = [name for name, _ in the_plan.streams if name not in by_name]
-    if missing:
-        raise ValueError(f"assign_streams.apply: the plan names nodes not in the graph: {missing[:5]}")
-    for name, s in the_plan.streams:
-        by_name[name].meta[STREAM_KEY] = s
+    present = set(graph.nodes)
+    refs = [*the_plan.nodes, *(r.after_ref for r in the_plan.records)]
+    refs += [n for w in the_plan.waits for n in (w.anchor_ref, *w.keep_refs)]
+    missing = [n.name if n is not None else None for n in refs if n not in present]
+    if missing or len(the_plan.nodes) != len(the_plan.streams):
+        raise ValueError(
+            "assign_streams.apply: the plan's nodes are not nodes of this graph (plan() on this graph makes "
+            f"them): {missing[:5] or f'{len(the_plan.nodes)} nodes for {len(the_plan.streams)} streams'}"
+        )
+    for n, (_, s) in zip(the_plan.nodes, the_plan.streams):
+        n.meta[STREAM_KEY] = s
     counts = {"record_event": 0, "wait_event": 0, "set_stream": 0}
     if not the_plan.records:
         gm.recompile()
@@ -457,7 +472,7 @@ def apply(gm: fx.GraphModule, the_plan: StreamPlan, runtime_id: int, event_offse
     # waits before y. Chained cursors keep that order.
     cursor_after: dict[fx.Node, fx.Node] = {}
     for rec in the_plan.records:
-        p = by_name[rec.after]
+        p = rec.after_ref
         anchor = cursor_after.get(p, p)
         if p.op == "placeholder":
             # The entry: after the last placeholder.
@@ -472,8 +487,8 @@ def apply(gm: fx.GraphModule, the_plan: StreamPlan, runtime_id: int, event_offse
         cursor_after[p] = node
         counts["record_event"] += 1
     for w in the_plan.waits:
-        n = by_name[w.anchor]
-        keep = [by_name[k] for k in w.keep]
+        n = w.anchor_ref
+        keep = list(w.keep_refs)
         args = (keep, runtime_id, w.event + event_offset, w.stream)
         note = f"stream {w.stream} waits for event {w.event + event_offset}" + (
             f"; keeps {', '.join(w.keep)} alive until here" if w.keep else ""

@@ -17,8 +17,10 @@ For each recomputed buffer (a :class:`~.recompute_chains.Chain`), in place:
   value, ``<node>_rng_state``) and the op's result; the backward copy is
   ``run_with_rng_state(state, op, ...)`` (``torch._prims.rng_prims``).
 
-Nodes are matched by name only to bind the forward to the backward (as AOTAutograd does) and to
-find the chain's nodes; inserted nodes are recognised by ``node.meta["trinity_recompute"]``.
+The chains and the liveness carry the nodes they are about (:mod:`offload_compiler.ir.refs`);
+names matter only where the partitioner's convention binds a new saved value's backward
+placeholder to its forward node (the same name). Inserted nodes are recognised by
+``node.meta["trinity_recompute"]``.
 
 Reads ``node.meta["val"]``. Writes, on inserted nodes: ``node.meta["val"]`` (the forward's fake
 values, as the partitioner does for the nodes it recomputes), ``node.meta["tensor_meta"]``,
@@ -41,15 +43,17 @@ from .insert_transfers import _set_val
 from .liveness import Liveness
 from .recompute_chains import RNG_STATE_SUFFIX, Chain
 
-__all__ = ["apply", "RECOMPUTE_KEY", "copy_pair"]
+__all__ = ["apply", "RECOMPUTE_KEY", "copy_pair", "copied_node"]
 
 
 class _DetachedGraph:
-    """A graph without a module: what the analyses read (``.graph``), without generating code."""
+    """A graph without a module: what the analyses read (``.graph``), without generating code.
+    ``copied`` maps each node of the graph it was copied from to its copy here."""
 
-    def __init__(self, graph: fx.Graph, meta: dict):
+    def __init__(self, graph: fx.Graph, meta: dict, copied: dict[fx.Node, fx.Node]):
         self.graph = graph
         self.meta = meta
+        self.copied = copied
 
     def recompile(self) -> None:
         pass
@@ -67,9 +71,29 @@ def copy_pair(pair: GraphPair) -> GraphPair:
         for n in gm.graph.nodes:
             env[n] = graph.node_copy(n, lambda x: env[x])
         graph._codegen = gm.graph._codegen
-        return _DetachedGraph(graph, dict(getattr(gm, "meta", {})))
+        return _DetachedGraph(graph, dict(getattr(gm, "meta", {})), env)
 
     return GraphPair(copy_gm(pair.forward), copy_gm(pair.backward), pair.num_fwd_outputs, pair.static_input_indices)
+
+
+def copied_node(pair: GraphPair, node: fx.Node) -> fx.Node:
+    """``node`` as a node of ``pair``'s graphs: itself when it is one, else its copy when ``pair``
+    is a :func:`copy_pair` of the graphs ``node`` belongs to.
+
+    The one place this rewrite finds a plan's node in other graphs: the planner applies a plan made
+    on the real graphs to a copy of them (:func:`.plan_recompute.plan_joint`, stage 3), and
+    :func:`copy_pair` recorded the copy of each node (node for node, not by name).
+
+    Raises:
+        ValueError: for a node of neither.
+    """
+    if node.graph is pair.forward.graph or node.graph is pair.backward.graph:
+        return node
+    for gm in (pair.forward, pair.backward):
+        copy = getattr(gm, "copied", {}).get(node)
+        if copy is not None:
+            return copy
+    raise ValueError(f"insert_recompute: node {node.name!r} of the plan is not in these graphs")
 
 
 def _rng_state_val(device: torch.device, fake_mode):
@@ -94,41 +118,58 @@ def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain]) -> dict[
 
     Args:
         pair: the graphs ``liveness`` (and the chains) were computed on, not rewritten yet.
-        liveness: their liveness (names of saved views and their placeholders).
+        liveness: their liveness (the saved views and their placeholders).
         chains: the buffers to recompute (from :func:`.recompute_chains.analyze`).
 
     Returns:
         Counts: ``{"recomputed_buffers", "recompute_nodes", "new_saved", "rng_replays"}``.
 
     Raises:
-        ValueError: if a chain refers to nodes that are not in these graphs.
+        ValueError: if a chain refers to nodes that are not in these graphs (nor in the graphs
+            ``pair`` was copied from by :func:`copy_pair`).
     """
     counts = {"recomputed_buffers": 0, "recompute_nodes": 0, "new_saved": 0, "rng_replays": 0}
     if not chains:
         return counts
     fw, bw = pair.forward.graph, pair.backward.graph
-    fw_by_name = {n.name: n for n in fw.nodes}
-    bw_ph = {n.name: n for n in bw.find_nodes(op="placeholder")}
     fake_mode = fake_mode_of(pair.forward, pair.backward)
     recomputed = {c.buffer for c in chains}
-    saved_fw = {c.buffer: [liveness.saved[i].fw_node for i in c.saved] for c in chains}
-    saved_bw = {c.buffer: [liveness.saved[i].bw_node for i in c.saved] for c in chains}
+
+    def here(node: fx.Node | None, graph: fx.Graph, what: str) -> fx.Node:
+        """The plan's ``node`` in ``graph`` (see :func:`copied_node`)."""
+        got = copied_node(pair, node) if node is not None else None
+        if (
+            got is None
+            or got.graph is not graph
+            or (graph is bw and what == "saved placeholder" and got.op != "placeholder")
+        ):
+            name = node.name if node is not None else None
+            raise ValueError(
+                f"insert_recompute: {what} {name!r} is not in the {'forward' if graph is fw else 'backward'} graph"
+            )
+        return got
+
+    saved_fw = {c.buffer: [here(liveness.saved[i].fw_ref, fw, "saved view") for i in c.saved] for c in chains}
+    saved_bw = {c.buffer: [here(liveness.saved[i].bw_ref, bw, "saved placeholder") for i in c.saved] for c in chains}
+    saved_names = {c.buffer: [liveness.saved[i].fw_node for i in c.saved] for c in chains}
+    chain_nodes = {c.buffer: [here(n, fw, "chain node") for n in c.node_refs] for c in chains}
+    # Forward node -> the backward placeholder that receives it (leaves saved already).
+    bw_of: dict[fx.Node, fx.Node] = {}
     for c in chains:
-        for name in c.nodes:
-            if name not in fw_by_name:
-                raise ValueError(f"insert_recompute: chain node {name!r} is not in the forward graph")
-        for name in saved_bw[c.buffer]:
-            if name not in bw_ph:
-                raise ValueError(f"insert_recompute: saved placeholder {name!r} is not in the backward graph")
+        for leaf in c.leaves:
+            if leaf.bw_ref is not None:
+                bw_of[here(leaf.fw_ref, fw, "leaf")] = here(leaf.bw_ref, bw, "leaf placeholder")
 
     # 1. Random ops on a chain: run them under run_and_save_rng_state in the forward.
     from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
-    rng_nodes = sorted({n for c in chains for n in c.rng_nodes}, key=list(fw_by_name).index)
-    rng_orig: dict[str, tuple] = {}  # name -> (op, args, kwargs, value) of the replaced random op
-    rng_result: dict[str, str] = {}  # name of the forward node that now holds its value -> its name
-    for name in rng_nodes:
-        node = fw_by_name[name]
+    fw_pos = {n: i for i, n in enumerate(fw.nodes)}
+    rng_nodes = sorted({here(n, fw, "random op") for c in chains for n in c.rng_refs}, key=fw_pos.__getitem__)
+    rng_orig: dict[fx.Node, tuple] = {}  # replaced random op -> (op, args, kwargs, value)
+    rng_result: dict[fx.Node, fx.Node] = {}  # the forward node that now holds its value -> the op
+    rng_state: dict[fx.Node, fx.Node] = {}  # the op -> the forward node of its generator state
+    for node in rng_nodes:
+        name = node.name
         val = node.meta["val"]
         first = val[0] if isinstance(val, (tuple, list)) else val
         state_val = _rng_state_val(first.device, fake_mode)
@@ -141,12 +182,11 @@ def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain]) -> dict[
             result.meta["val"] = val
         for n in (both, state, result):
             n.meta[NOTE_KEY] = f"generator state saved for the recomputation of {name}"
-        rng_orig[name] = (node.target, node.args, dict(node.kwargs), val)
-        rng_result[result.name] = name
+        rng_orig[node] = (node.target, node.args, dict(node.kwargs), val)
+        rng_result[result] = node
+        rng_state[node] = state
         node.replace_all_uses_with(result)
         fw.erase_node(node)
-        fw_by_name[name] = result  # the op's value, for the forward's own readers
-        fw_by_name[state.name] = state
         counts["rng_replays"] += 1
 
     # 2. New saved values (leaves the backward did not receive).
@@ -167,24 +207,29 @@ def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain]) -> dict[
     after_ph = placeholder_at.get(tensor_positions[-1]) if tensor_positions else None
     if after_ph is None:
         after_ph = next(iter(bw.find_nodes(op="placeholder")))
-    new_links: list[str] = []
+    new_links: list[fx.Node] = []  # forward nodes to save: parameters, inputs, generator states
     for c in chains:
         for leaf in c.leaves:
-            if leaf.bw_node is None and leaf.fw_node not in bw_ph and leaf.fw_node not in new_links:
-                new_links.append(leaf.fw_node)
-    for name in new_links:
-        src = fw_by_name[name]
+            if leaf.bw_ref is not None:
+                continue
+            op = here(leaf.fw_ref, fw, "leaf") if leaf.kind != "rng state" else here(leaf.fw_ref, fw, "random op")
+            src = rng_state[op] if leaf.kind == "rng state" else op
+            if src not in bw_of and src not in new_links:
+                new_links.append(src)
+    for src in new_links:
+        name = src.name
         outputs.insert(insert_at, src)
         if descs:
             descs.insert(insert_at, _saved_desc(insert_at - pair.num_fwd_outputs))
         insert_at += 1
         with bw.inserting_after(after_ph):
+            # The partitioner's convention: a saved value's placeholder has its forward node's name.
             ph = bw.placeholder(name)
         if ph.name != name:
             raise ValueError(f"insert_recompute: the backward already has a node named {name!r}")
         _set_val(ph, src.meta["val"])
         ph.meta[NOTE_KEY] = "saved for a recomputation"
-        bw_ph[name] = ph
+        bw_of[src] = ph
         after_ph = ph
         counts["new_saved"] += 1
 
@@ -193,8 +238,8 @@ def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain]) -> dict[
     order = {n: i for i, n in enumerate(bw.nodes)}
     end = len(order)
 
-    def first_reader(names) -> int:
-        pos = [order[u] for name in names for u in bw_ph[name].users]
+    def first_reader(placeholders) -> int:
+        pos = [order[u] for ph in placeholders for u in ph.users]
         return min(pos) if pos else end
 
     anchor = {c.buffer: first_reader(saved_bw[c.buffer]) for c in chains}
@@ -207,54 +252,53 @@ def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain]) -> dict[
                     anchor[dep] = anchor[c.buffer]
                     changed = True
     bw_nodes = list(bw.nodes)
-    fw_pos = {n.name: i for i, n in enumerate(fw.nodes)}
-    env: dict[str, fx.Node] = {}
+    fw_pos = {n: i for i, n in enumerate(fw.nodes)}
+    env: dict[fx.Node, fx.Node] = {}  # forward node (a random op: the replaced one) -> its recomputation
     for c in sorted(chains, key=lambda c: (anchor[c.buffer], min(fw_pos.get(n, 0) for n in saved_fw[c.buffer]))):
         if anchor[c.buffer] >= end:
             raise ValueError(f"insert_recompute: buffer {c.buffer} has no backward reader")
         at = bw_nodes[anchor[c.buffer]]
-        what = ", ".join(saved_fw[c.buffer])
+        what = ", ".join(saved_names[c.buffer])
 
         def arg(n: fx.Node) -> fx.Node:
-            key = rng_result.get(n.name, n.name)
+            key = rng_result.get(n, n)
             if key in env:
                 return env[key]
-            if n.name in bw_ph:
-                return bw_ph[n.name]
+            if n in bw_of:
+                return bw_of[n]
             raise ValueError(f"insert_recompute: {n.name!r} is neither recomputed nor saved")
 
-        for name in c.nodes:
-            if name in env:
+        for node in chain_nodes[c.buffer]:
+            if node in env:
                 continue
             with bw.inserting_before(at):
-                if name in rng_orig:
-                    op, op_args, op_kwargs, val = rng_orig[name]
-                    state = bw_ph[name + RNG_STATE_SUFFIX]
+                if node in rng_orig:
+                    op, op_args, op_kwargs, val = rng_orig[node]
+                    state = bw_of[rng_state[node]]
                     new = bw.call_function(
                         run_with_rng_state, (state, op, *fx.node.map_arg(op_args, arg)), fx.node.map_arg(op_kwargs, arg)
                     )
                     new.meta["val"] = val
                 else:
-                    new = bw.node_copy(fw_by_name[name], arg)
+                    new = bw.node_copy(node, arg)
             new.meta[NOTE_KEY] = f"recomputed for saved {what}"
             new.meta[RECOMPUTE_KEY] = c.buffer
             new.meta["autograd_backward"] = True
-            env[name] = new
+            env[node] = new
             counts["recompute_nodes"] += 1
         counts["recomputed_buffers"] += 1
 
     # 4. The saved views' readers read the recomputed values; the saved outputs go.
     drop = set()
     for c in chains:
-        for fname, bname in zip(saved_fw[c.buffer], saved_bw[c.buffer]):
-            ph = bw_ph.pop(bname)
-            ph.replace_all_uses_with(env[fname])
+        for fnode, ph in zip(saved_fw[c.buffer], saved_bw[c.buffer]):
+            ph.replace_all_uses_with(env[fnode])
             bw.erase_node(ph)
-            drop.add(fname)
+            drop.add(fnode)
     keep = [
         (i, o)
         for i, o in enumerate(outputs)
-        if not (i >= pair.num_fwd_outputs and isinstance(o, fx.Node) and o.name in drop)
+        if not (i >= pair.num_fwd_outputs and isinstance(o, fx.Node) and o in drop)
     ]
     out_node.args = (tuple(o for _, o in keep),) + tuple(out_node.args[1:])
     if descs:

@@ -90,16 +90,26 @@ def _refresh_aliases(graph: fx.Graph, new_nodes, fake_mode) -> None:
             fresh.add(n)
 
 
-def _holders(buf: Buffer, graph_name: str, by_name: dict[str, fx.Node]) -> list[fx.Node]:
-    """The nodes of one graph (``by_name``: its nodes by name) that hold ``buf``, in liveness's
-    order; holders no longer in the graph (removed as dead) are left out. Liveness names holders
-    ``"forward:name"`` / ``"backward:name"`` (:attr:`.liveness.Buffer.nodes`)."""
-    out = []
-    for holder in buf.nodes:
-        tag, _, name = holder.partition(":")
-        if tag == graph_name and name in by_name:
-            out.append(by_name[name])
-    return out
+def _holders(buf: Buffer, present: set[fx.Node]) -> list[fx.Node]:
+    """The nodes among ``present`` (one graph's nodes) that hold ``buf``, in liveness's order
+    (:attr:`.liveness.Buffer.holders`); holders of the other graph, and holders no longer in the
+    graph (removed as dead), are left out."""
+    return [n for n in buf.holders if n in present]
+
+
+def _check_refs(pair: GraphPair, liveness: Liveness, plan: Plan) -> None:
+    """Raise ``ValueError`` unless the saved tensors ``plan`` moves are nodes of ``pair``'s graphs
+    (the liveness was computed on them, or rebound to them: :meth:`.liveness.Liveness.rebind`)."""
+    fw, bw = pair.forward.graph, pair.backward.graph
+    for ev in plan.evictions:
+        for g in ev.groups:
+            for i in g.saved:
+                st = liveness.saved[i]
+                if st.fw_ref is None or st.fw_ref.graph is not fw or st.bw_ref is None or st.bw_ref.graph is not bw:
+                    raise ValueError(
+                        f"insert_transfers: saved tensor {st.fw_node!r} of the plan is not a node of these graphs "
+                        "(the liveness was computed on other graphs)"
+                    )
 
 
 class _OrderingEdges:
@@ -109,14 +119,14 @@ class _OrderingEdges:
     nodes the inner compiler fuses into their reader (an extra reader would make it materialise
     them)."""
 
-    def __init__(self, liveness: Liveness, plan: Plan, graph_name: str, graph: fx.Graph):
-        by_name = {n.name: n for n in graph.nodes}
+    def __init__(self, liveness: Liveness, plan: Plan, graph: fx.Graph):
+        present = set(graph.nodes)
         evicted_until = {ev.buffer: ev.wait_after for ev in plan.evictions}
         self.alive: dict[fx.Node, tuple[int, int]] = {}
         self.fused: set[fx.Node] = set()
         for b in liveness.buffers:
             end = min(b.last_step, evicted_until.get(b.id, b.last_step))
-            for node in _holders(b, graph_name, by_name):
+            for node in _holders(b, present):
                 self.alive[node] = (b.def_step, end)
                 if b.fused:
                     self.fused.add(node)
@@ -141,16 +151,10 @@ class _OrderingEdges:
         return None
 
 
-def _fused_nodes(graph: fx.Graph, liveness: Liveness, graph_name: str) -> set:
+def _fused_nodes(graph: fx.Graph, liveness: Liveness) -> set:
     """The nodes of ``graph`` whose buffers liveness marked fused."""
-    by_name = {n.name: n for n in graph.nodes}
-    out = set()
-    for b in liveness.buffers:
-        if b.fused:
-            tag, _, name = b.nodes[0].partition(":")
-            if tag == graph_name and name in by_name:
-                out.add(by_name[name])
-    return out
+    present = set(graph.nodes)
+    return {b.holders[0] for b in liveness.buffers if b.fused and b.holders and b.holders[0] in present}
 
 
 def _past_sibling_getitems(node: fx.Node) -> fx.Node:
@@ -214,14 +218,14 @@ def _insert_fences(fw_graph: fx.Graph, liveness: Liveness, plan: Plan, host_of: 
     op's result), the op node holds it too, but the op's other ``getitem`` nodes are siblings, not
     readers: each selects its own output. A multi-output reader is fenced through one of its
     tensor outputs (never an RNG state, which is a real tensor under Inductor)."""
-    by_name = {n.name: n for n in fw_graph.nodes}
+    present = set(fw_graph.nodes)
     # Readers the inner compiler fuses into their only reader are read where that chain ends.
-    fused = _fused_nodes(fw_graph, liveness, "forward")
+    fused = _fused_nodes(fw_graph, liveness)
     count = 0
     for ev in plan.evictions:
         buf = liveness.buffers[ev.buffer]
         # Holders removed as dead (saved-only views the host copy replaced) are skipped.
-        aliases = set(_holders(buf, "forward", by_name))
+        aliases = set(_holders(buf, present))
         hosts = [host_of[id(g)] for g in ev.groups]
         skip = set(hosts) | aliases
         readers = []
@@ -270,12 +274,13 @@ def apply(
         Counts of inserted nodes by op (``{"evict": n, ...}``).
 
     Raises:
-        ValueError: if the plan refers to steps that are not in these graphs.
+        ValueError: if the plan refers to steps or nodes that are not in these graphs.
     """
     fw_nodes = list(pair.forward.graph.nodes)
     bw_nodes = list(pair.backward.graph.nodes)
     if len(fw_nodes) + len(bw_nodes) != liveness.num_steps:
         raise ValueError("insert_transfers: the graphs do not match the liveness the plan was made on")
+    _check_refs(pair, liveness, plan)
     fake_mode = fake_mode_of(pair.forward, pair.backward)
     fw_after, bw_before = _gaps(plan)
     counts = {"evict": 0, "evict_wait": 0, "prefetch": 0, "prefetch_wait": 0}
@@ -322,7 +327,7 @@ def _insert_evictions(
     """
     F = len(fw_nodes)
     fw_graph = pair.forward.graph
-    fw_edges = _OrderingEdges(liveness, plan, "forward", fw_graph)
+    fw_edges = _OrderingEdges(liveness, plan, fw_graph)
     host_of: dict[int, fx.Node] = {}  # id(group) -> host node in the forward
     src_of: dict[int, fx.Node] = {}
     last_at: dict[fx.Node, fx.Node] = {}  # anchor -> the last node inserted after it
@@ -405,8 +410,7 @@ def _insert_prefetches(
         ValueError: for a backward step that is not a compute node.
     """
     bw_graph = pair.backward.graph
-    bw_placeholders = {n.name: n for n in bw_graph.find_nodes(op="placeholder")}
-    bw_edges = _OrderingEdges(liveness, plan, "backward", bw_graph)
+    bw_edges = _OrderingEdges(liveness, plan, bw_graph)
     dev_of: dict[int, fx.Node] = {}
     rebuilt: list[fx.Node] = []
     for step in sorted(bw_before):
@@ -418,7 +422,7 @@ def _insert_prefetches(
         for kind, ev, g in items:
             first = liveness.saved[g.saved[0]]
             if kind == "issue":
-                ph = bw_placeholders[first.bw_node]
+                ph = first.bw_ref
                 old = ph.meta["val"]
                 with fake_mode:
                     if g.layout == "span":
@@ -438,7 +442,7 @@ def _insert_prefetches(
                 if g.layout == "view":
                     # Every reader of every placeholder of the group now reads the prefetched tensor.
                     for i in g.saved:
-                        other = bw_placeholders[liveness.saved[i].bw_node]
+                        other = liveness.saved[i].bw_ref
                         other.replace_all_uses_with(dev, delete_user_cb=lambda user, dev=dev: user is not dev)
             else:
                 dev = dev_of[id(g)]
@@ -451,26 +455,26 @@ def _insert_prefetches(
                 w.meta[NOTE_KEY] = "H2D done"
                 counts["prefetch_wait"] += 1
                 if g.layout == "span":
-                    rebuilt += _rebuild_span_views(bw_graph, liveness, g, dev, anchor, bw_placeholders, fake_mode)
+                    rebuilt += _rebuild_span_views(bw_graph, liveness, g, dev, anchor, fake_mode)
     # Placeholders of a group other than the one prefetched are unused now; give them the same
     # host value so the graph's input signature stays consistent.
     for ev in plan.evictions:
         for g in ev.groups:
-            host_val = bw_placeholders[liveness.saved[g.saved[0]].bw_node].meta["val"]
+            host_val = liveness.saved[g.saved[0]].bw_ref.meta["val"]
             for i in g.saved[1:]:
-                _set_val(bw_placeholders[liveness.saved[i].bw_node], host_val)
+                _set_val(liveness.saved[i].bw_ref, host_val)
     _refresh_aliases(bw_graph, list(dev_of.values()) + rebuilt, fake_mode)
 
 
 def _rebuild_span_views(
-    bw_graph: fx.Graph, liveness: Liveness, g, dev: fx.Node, anchor: fx.Node, bw_placeholders: dict, fake_mode
+    bw_graph: fx.Graph, liveness: Liveness, g, dev: fx.Node, anchor: fx.Node, fake_mode
 ) -> list[fx.Node]:
     """Each saved view of span group ``g``, rebuilt from the prefetched span ``dev`` before
     ``anchor`` (after the wait); their readers read the rebuilt views. Returns the views."""
     views = []
     for i in g.saved:
         st = liveness.saved[i]
-        other = bw_placeholders[st.bw_node]
+        other = st.bw_ref
         args = (dev, list(st.shape), list(st.stride), st.storage_offset - g.span_offset)
         with bw_graph.inserting_before(anchor):
             view = bw_graph.call_function(torch.ops.aten.as_strided.default, args)

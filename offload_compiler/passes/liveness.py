@@ -26,7 +26,8 @@ parameter whose storage ``trinity::param_fetch`` / ``param_release`` nodes fetch
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -38,6 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..graph_pair import GraphPair, hint_int, is_rng_state, tensor_vals
 from ..ir.alias import plain_tensors, schema_view_of, span_bytes, tensor_span_bytes
 from ..ir.ops import EVICT, PARAM_FETCH, PARAM_RELEASE, PREFETCH
+from ..ir.refs import node_ref
 from .margins import WorkspaceMargins
 
 __all__ = [
@@ -72,7 +74,8 @@ _PRIORITY = list(BufferKind)
 
 @dataclass(frozen=True)
 class Step:
-    """One node of the joint schedule."""
+    """One node of the joint schedule: ``node`` is its name, ``ref`` the node itself (a reference
+    into the graphs analysed, see :mod:`offload_compiler.ir.refs`)."""
 
     index: int
     graph: str  # "forward" or "backward"
@@ -80,6 +83,7 @@ class Step:
     op: str
     is_placeholder: bool
     is_output: bool
+    ref: fx.Node | None = node_ref()
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,9 @@ class Buffer:
         size_bytes: storage bytes, evaluated with shape hints.
         size_expr: the same as a sympy expression (an Integer for static shapes).
         on_device: whether the bytes count against the device budget.
-        nodes: ``"forward:name"`` / ``"backward:name"`` of every node holding it.
+        nodes: ``"forward:name"`` / ``"backward:name"`` of every node holding it (for display).
+        holders: the same nodes, as references into the graphs analysed (what the rewrites use;
+            see :mod:`offload_compiler.ir.refs`).
         saved: indices into :attr:`Liveness.saved` of the saved tensors that are views of it.
         last_fw_use / first_bw_use: last forward reader and first backward reader (graph outputs
             excluded); ``None`` when there is none.
@@ -123,6 +129,7 @@ class Buffer:
     source_step: int | None = None
     fused: bool = False
     resident_steps: tuple[tuple[int, int], ...] = ()
+    holders: tuple[fx.Node, ...] = node_ref(())
 
     def intervals(self) -> tuple[tuple[int, int], ...]:
         """The inclusive step intervals where the storage holds device memory."""
@@ -144,6 +151,7 @@ class SavedTensor:
         index: position among :attr:`Liveness.saved`.
         fw_output_index: position in the forward graph's output tuple.
         fw_node / bw_node: the forward node and the backward placeholder (names).
+        fw_ref / bw_ref: the same nodes, as references into the graphs analysed.
         copy_bytes: bytes a copy of this view moves (first to last element), with hints.
         view_key: (size, stride, storage offset, dtype); equal keys on one buffer are the same
             view and share one host copy.
@@ -175,11 +183,14 @@ class SavedTensor:
     same_view_as_source: bool
     evictable: bool
     reason: str
+    fw_ref: fx.Node | None = node_ref()
+    bw_ref: fx.Node | None = node_ref()
 
 
 @dataclass(frozen=True)
 class Liveness:
-    """Result of :func:`analyze`. ``live_bytes()[s]`` is the device bytes live at step ``s``."""
+    """Result of :func:`analyze`. ``live_bytes()[s]`` is the device bytes live at step ``s``;
+    ``node_step`` maps each node of the schedule (a reference) to its step."""
 
     steps: tuple[Step, ...]
     num_fw_steps: int
@@ -192,6 +203,7 @@ class Liveness:
     """Steps of forward nodes that exist only to be saved: views (a partitioner's late ``detach``
     or ``t(t(weight))``) whose readers are the forward's output or other such views. Their reads
     are not forward uses (``Buffer.last_fw_use`` leaves them out)."""
+    node_step: dict = node_ref({})
 
     @property
     def num_steps(self) -> int:
@@ -238,7 +250,46 @@ class Liveness:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def step_named(self, graph: str, node: str) -> int:
+        """The step of the node named ``node`` in ``graph`` (for reports and tests; passes use
+        :meth:`step_at`)."""
         return self.step_of[(graph, node)]
+
+    def step_at(self, node: fx.Node) -> int:
+        """The step of ``node``, a node of the graphs analysed.
+
+        Raises:
+            KeyError: for a node that is not in the schedule.
+        """
+        return self.node_step[node]
+
+    def rebind(self, nodes: Sequence[fx.Node]) -> Liveness:
+        """This liveness with its node references moved to ``nodes``: the joint schedule (forward
+        nodes, then backward nodes) of other graphs that are, step for step, the graphs analysed.
+
+        The one place a result made on copied graphs finds its nodes in the graphs being
+        rewritten: the planner analyses a copy rewritten by ``insert_recompute`` and the pipeline
+        then repeats that rewrite on the real graphs (``pipeline._insert_recompute``), so the two
+        schedules agree by position; they are checked to agree by name and op too.
+
+        Raises:
+            ValueError: if ``nodes`` is not such a schedule.
+        """
+        nodes = list(nodes)
+        if len(nodes) != len(self.steps) or any(
+            n.name != s.node or _op_name(n) != s.op for n, s in zip(nodes, self.steps)
+        ):
+            raise ValueError("liveness.rebind: the nodes are not the schedule this liveness was computed on")
+        moved = {s.ref: n for s, n in zip(self.steps, nodes)}
+        return replace(
+            self,
+            steps=tuple(replace(s, ref=n) for s, n in zip(self.steps, nodes)),
+            buffers=tuple(replace(b, holders=tuple(moved[h] for h in b.holders)) for b in self.buffers),
+            saved=tuple(
+                replace(s, fw_ref=moved.get(s.fw_ref), bw_ref=moved.get(s.bw_ref) if s.bw_ref is not None else None)
+                for s in self.saved
+            ),
+            node_step={n: i for i, n in enumerate(nodes)},
+        )
 
     def candidates(self, min_bytes: int = 0) -> list[Buffer]:
         """Buffers that may be evicted: saved activations on the device, every saved view of
@@ -553,6 +604,7 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
         ),
         step_of=sched.step_of,
         save_only_steps=frozenset(sched.node_step[n] for n in save_only),
+        node_step=sched.node_step,
     )
 
 
@@ -591,7 +643,7 @@ def _schedule(fw_nodes: list[fx.Node], bw_nodes: list[fx.Node]) -> _Schedule:
     for graph_name, nodes, offset in (("forward", fw_nodes, 0), ("backward", bw_nodes, num_fw)):
         for i, n in enumerate(nodes):
             s = offset + i
-            steps.append(Step(s, graph_name, n.name, _op_name(n), n.op == "placeholder", n.op == "output"))
+            steps.append(Step(s, graph_name, n.name, _op_name(n), n.op == "placeholder", n.op == "output", n))
             step_of[(graph_name, n.name)] = s
             node_step[n] = s
     return _Schedule(fw_nodes + bw_nodes, num_fw, tuple(steps), step_of, node_step)
@@ -727,21 +779,33 @@ def _fused_nodes(nodes: list[fx.Node], keys: _Keys, kind_of: dict) -> set[fx.Nod
 
 
 def _defs_and_uses(sched: _Schedule, keys: _Keys, save_only: set[fx.Node], reader_step) -> dict:
-    """``root -> {"def", "uses", "nodes", "fw_uses", "bw_uses", "source", "source_any"}``: where each
-    buffer is first held, every step that reads it (forward and backward uses apart, save-only
-    views and graph outputs not counted as either), the nodes holding it, and its source node."""
+    """``root -> {"def", "uses", "nodes", "holders", "fw_uses", "bw_uses", "source", "source_any"}``:
+    where each buffer is first held, every step that reads it (forward and backward uses apart,
+    save-only views and graph outputs not counted as either), the nodes holding it (names and
+    nodes), and its source node."""
     num_fw = sched.num_fw
     roots: dict = {}
     for n in sched.nodes:
         s = sched.node_step[n]
         for r in keys.roots(n):
             info = roots.setdefault(
-                r, {"def": s, "uses": [], "nodes": [], "fw_uses": [], "bw_uses": [], "source": None, "source_any": n}
+                r,
+                {
+                    "def": s,
+                    "uses": [],
+                    "nodes": [],
+                    "holders": [],
+                    "fw_uses": [],
+                    "bw_uses": [],
+                    "source": None,
+                    "source_any": n,
+                },
             )
             info["def"] = min(info["def"], s)
             if info["source"] is None and s < num_fw and isinstance(n.meta.get("val"), torch.Tensor):
                 info["source"] = n
             info["nodes"].append(("forward:" if s < num_fw else "backward:") + n.name)
+            info["holders"].append(n)
         if n.op == "placeholder":
             continue
         # Data must be ready before the node itself (its place in the graph); it is read, and so
@@ -871,6 +935,8 @@ def _saved_tensors(
                 same_view_as_source=same_view,
                 evictable=not reason,
                 reason=reason,
+                fw_ref=link.fw_node,
+                bw_ref=ph,
             )
         )
         if root is not None:
@@ -925,6 +991,7 @@ def _buffers(
                 source_step=node_step[info["source"]] if info["source"] is not None else None,
                 fused=src in fused_nodes,
                 resident_steps=resident_of_root.get(r, ()) if kind is BufferKind.PARAMETER else (),
+                holders=tuple(info["holders"]),
             )
         )
     return buffers

@@ -108,13 +108,13 @@ def plan(
     if request != "auto" and not (isinstance(request, (int, float)) and 0.0 <= request <= 1.0):
         raise ValueError(f"optimizer_on_device: got {request!r}; expected 'auto' or a number from 0.0 to 1.0")
     full = param_residency.plan(pair, live, costs, chosen, "all", live.live_bytes(), budget)
-    position = {ph.name: i for i, ph in enumerate(pair.forward.graph.find_nodes(op="placeholder"))}
+    position = {ph: i for i, ph in enumerate(pair.forward.graph.find_nodes(op="placeholder"))}
     n = live.num_steps
 
     def first_use(p) -> int:
         return next((x for x in (p.fw_fetch_before, p.bw_fetch_before) if x is not None), n)
 
-    order = [(position[p.placeholder], p.slot, p.nbytes) for p in sorted(full.params, key=first_use)]
+    order = [(position[p.placeholder_ref], p.slot, p.nbytes) for p in sorted(full.params, key=first_use)]
     total = sum(b for _, _, b in order)
     prefixes: list[int] = []  # number of parameters kept on the device, per share tried
     for share in shares if request == "auto" else (float(request),):

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch.fx as fx
@@ -57,6 +57,7 @@ import torch.fx as fx
 from ..graph_pair import GraphPair
 from ..ir.meta import NOTE_KEY, PARAM_COPY_KEY
 from ..ir.ops import GRAD_TO_HOST, GRAD_TO_HOST_WAIT, PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE
+from ..ir.refs import node_ref, plain_dict
 from .cost_model import Costs
 from .liveness import Buffer, BufferKind, Liveness
 
@@ -81,7 +82,8 @@ class ParamResidency:
 
     Attributes:
         slot: the :class:`~offload_compiler.runtime.model_state.ParamSlot` id.
-        placeholder: the forward placeholder's name.
+        placeholder: the forward placeholder's name (``placeholder_ref``: the node itself, a
+            reference into the graphs planned, which :func:`apply` uses).
         buffer: the liveness buffer id (the parameter's storage and all its views).
         nbytes: device bytes of its storage.
         fw_fetch_before / fw_release_after: forward fetch and release positions.
@@ -115,6 +117,7 @@ class ParamResidency:
     bw_wait_before: int | None = None
     grad_wait_after: int | None = None
     fw_save_views: tuple[int, ...] = ()
+    placeholder_ref: fx.Node | None = node_ref()
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,7 @@ class ResidencyPlan:
 
     def to_json(self) -> str:
         """The plan as JSON, with the per-step resident parameter bytes (for dumps)."""
-        d = asdict(self)
+        d = plain_dict(self)
         d["resident_param_bytes"] = self.resident_param_bytes().tolist()
         return json.dumps(d, indent=1)
 
@@ -271,8 +274,7 @@ class _PlanContext:
     host_grad: bool
     use_windows: bool
     fw_placeholders: list[fx.Node]
-    fw_node_of: dict[str, fx.Node]
-    buffer_of_node: dict[str, int]  # "forward:name" / "backward:name" -> buffer id
+    buffer_of_node: dict[fx.Node, int]  # a node of either graph -> the buffer it holds
     user_out_buffers: set
     bw_out: list
     first_real: int  # the forward's first non-placeholder step
@@ -281,12 +283,12 @@ class _PlanContext:
     @staticmethod
     def of(pair: GraphPair, live: Liveness, costs: Costs, mode: str, host_grad: bool, use_windows: bool):
         num_fw, last = live.num_fw_steps, live.num_steps - 1
-        buffer_of_node: dict[str, int] = {}
+        buffer_of_node: dict[fx.Node, int] = {}
         for b in live.buffers:
-            for name in b.nodes:
-                buffer_of_node[name] = b.id
+            for n in b.holders:
+                buffer_of_node[n] = b.id
         user_out_buffers = {
-            buffer_of_node.get("forward:" + n.name)
+            buffer_of_node.get(n)
             for i, n in enumerate(pair.fw_outputs())
             if i < pair.num_fwd_outputs and isinstance(n, fx.Node)
         }
@@ -299,7 +301,6 @@ class _PlanContext:
             host_grad=host_grad,
             use_windows=use_windows,
             fw_placeholders=list(pair.forward.graph.find_nodes(op="placeholder")),
-            fw_node_of={n.name: n for n in pair.forward.graph.nodes},
             buffer_of_node=buffer_of_node,
             user_out_buffers=user_out_buffers,
             bw_out=list(bw_out) if isinstance(bw_out, (tuple, list)) else [bw_out],
@@ -312,16 +313,13 @@ def _save_views(ctx: _PlanContext, buf: Buffer) -> tuple[list[int], int]:
     """The buffer's save-only forward views (steps) and the latest step of an input of theirs
     that is not one of them (they can move to just after it, not earlier)."""
     live, save_only = ctx.live, ctx.live.save_only_steps
-    steps = sorted(
-        live.step_named("forward", name[len("forward:") :])
-        for name in buf.nodes
-        if name.startswith("forward:") and live.step_named("forward", name[len("forward:") :]) in save_only
-    )
+    fw_graph = ctx.pair.forward.graph
+    steps = sorted(live.step_at(n) for n in buf.holders if n.graph is fw_graph and live.step_at(n) in save_only)
     own = set(steps)
     floor = -1
     for s in steps:
-        for m in ctx.fw_node_of[live.steps[s].node].all_input_nodes:
-            ms = live.step_named("forward", m.name)
+        for m in live.steps[s].ref.all_input_nodes:
+            ms = live.step_at(m)
             if ms not in own:
                 floor = max(floor, ms)
     return steps, floor
@@ -335,7 +333,7 @@ def _plan_param(ctx: _PlanContext, index: int, slot_id: int) -> ParamResidency |
     num_fw, last = live.num_fw_steps, live.num_steps - 1
     fw_out_step = num_fw - 1
     ph = ctx.fw_placeholders[index]
-    bid = ctx.buffer_of_node.get("forward:" + ph.name)
+    bid = ctx.buffer_of_node.get(ph)
     if bid is None or bid in ctx.user_out_buffers:
         return None
     buf = live.buffers[bid]
@@ -386,6 +384,7 @@ def _plan_param(ctx: _PlanContext, index: int, slot_id: int) -> ParamResidency |
         bw_wait_before=bw_wait,
         grad_wait_after=grad_wait,
         fw_save_views=tuple(v for v in views if fw_release is not None and v > fw_release),
+        placeholder_ref=ph,
     )
 
 
@@ -399,13 +398,13 @@ def _plan_grad_to_host(
         return None, None, None
     last = live.num_steps - 1
     g = bw_out[index]
-    gstep = live.step_named("backward", g.name)
-    readers = [live.step_named("backward", u.name) for u in g.users if u.op != "output"]
+    gstep = live.step_at(g)
+    readers = [live.step_at(u) for u in g.users if u.op != "output"]
     # Not before the parameter's last backward reader either: once its gradient is on the host,
     # the CPU optimizer may update the master copy (CPUOptimizer with overlap="backward"), which a
     # later fetch in this backward would read.
     grad_after = max([gstep, *readers] + ([bw_release] if bw_release is not None else []))
-    grad_buffer = ctx.buffer_of_node.get("backward:" + g.name)
+    grad_buffer = ctx.buffer_of_node.get(g)
     # The wait (which keeps the gradient alive) after the copy's time of compute; the last step
     # before the backward's output at the latest.
     grad_wait = (
@@ -466,14 +465,22 @@ def apply(
         release: insert the forward's releases (``False``: fetch only, for a forward-only graph
             with ``"activations+params"``, whose parameters stay resident between steps).
         backward: rewrite the backward graph too.
+
+    Raises:
+        ValueError: if a planned parameter (``ParamResidency.placeholder_ref``) is not a
+            placeholder of ``pair.forward``.
     """
-    fw_ph = {n.name: n for n in pair.forward.graph.find_nodes(op="placeholder")}
     bw_out_node = pair.bw_output_node()
     bw_outs = bw_out_node.args[0]
     bw_outs = list(bw_outs) if isinstance(bw_outs, (tuple, list)) else [bw_outs]
-    fw_index = {n.name: i for i, n in enumerate(pair.forward.graph.find_nodes(op="placeholder"))}
+    fw_index = {n: i for i, n in enumerate(pair.forward.graph.find_nodes(op="placeholder"))}
     for p in the_plan.params:
-        ph = fw_ph[p.placeholder]
+        if p.placeholder_ref not in fw_index:
+            raise ValueError(
+                f"param_residency.apply: parameter {p.placeholder!r} of the plan is not a placeholder of this forward"
+            )
+    for p in the_plan.params:
+        ph = p.placeholder_ref
         if p.fw_fetch_before is not None:
             _insert_forward(pair.forward.graph, p, ph, the_plan.mode, step_nodes, rt, release)
         if not backward:
@@ -483,8 +490,8 @@ def apply(
             if p.bw_fetch_before is not None and alias is not None:
                 _insert_backward_fetch(pair.backward.graph, p, alias, step_nodes, rt)
             if p.grad_to_host_after is not None:
-                _insert_grad_to_host(pair.backward.graph, p, bw_outs[fw_index[p.placeholder]], step_nodes, rt)
-                bw_outs[fw_index[p.placeholder]] = None
+                _insert_grad_to_host(pair.backward.graph, p, bw_outs[fw_index[ph]], step_nodes, rt)
+                bw_outs[fw_index[ph]] = None
     if backward and any(p.grad_to_host_after is not None for p in the_plan.params):
         bw_out_node.args = (tuple(bw_outs),)
     for gm in (pair.forward, pair.backward) if backward else (pair.forward,):
@@ -634,7 +641,15 @@ def activation_view(live: Liveness, the_plan: ResidencyPlan) -> Liveness:
         for first, last in p.resident_steps:
             extra.append(
                 replace(
-                    b, id=next_id, def_step=first, last_step=last, use_steps=(), nodes=(), saved=(), source_step=None
+                    b,
+                    id=next_id,
+                    def_step=first,
+                    last_step=last,
+                    use_steps=(),
+                    nodes=(),
+                    holders=(),
+                    saved=(),
+                    source_step=None,
                 )
             )
             next_id += 1

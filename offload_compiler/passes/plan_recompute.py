@@ -47,11 +47,12 @@ from __future__ import annotations
 import bisect
 import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..ir.meta import RECOMPUTE_KEY
+from ..ir.refs import node_ref, plain_dict
 from .cost_model import Costs
 from .liveness import BufferKind, Liveness
 from .plan_window import Plan, _groups
@@ -90,7 +91,9 @@ def have_solver() -> bool:
 
 @dataclass(frozen=True)
 class Recompute:
-    """One recomputed buffer, by name (bytes, FLOPs, seconds on the cost model's device).
+    """One recomputed buffer (bytes, FLOPs, seconds on the cost model's device), its nodes named
+    (for reports) and referenced (``*_refs``, into the graphs before the rewrite; not compared nor
+    in JSON, see :mod:`offload_compiler.ir.refs`).
 
     Attributes:
         buffer: its liveness buffer id (in the liveness before the rewrite).
@@ -101,6 +104,8 @@ class Recompute:
         new_saved: leaves added as saved values (parameters, inputs, generator states).
         rng_nodes: random ops replayed from their saved generator state.
         flops, seconds: of the recomputation.
+        saved_refs / node_refs / leaf_refs: ``saved``, ``nodes`` and ``leaves`` as nodes (a
+            generator-state leaf, which the rewrite makes, by its random op).
     """
 
     buffer: int
@@ -112,6 +117,9 @@ class Recompute:
     rng_nodes: tuple[str, ...]
     flops: int
     seconds: float
+    saved_refs: tuple = node_ref(())
+    node_refs: tuple = node_ref(())
+    leaf_refs: tuple = node_ref(())
 
 
 @dataclass(frozen=True)
@@ -165,7 +173,7 @@ class RecomputePlan:
         return sum(r.size_bytes for r in self.recomputes)
 
     def to_json(self) -> str:
-        out = asdict(self)
+        out = plain_dict(self)
         out.update(
             recompute_flops=self.recompute_flops,
             recompute_seconds=self.recompute_seconds,
@@ -239,7 +247,9 @@ def recompute_view(live: Liveness, costs: Costs, chains: dict[int, Chain], chose
         buf, c = buffers[b], chains[b]
         end = max(buf.def_step, buf.last_fw_use if buf.last_fw_use is not None else buf.def_step)
         buffers[b] = replace(buf, last_step=end, saved=(), first_bw_use=None)
-        common = dict(kind=BufferKind.TEMPORARY, use_steps=(), nodes=(), saved=(), last_fw_use=None, first_bw_use=None)
+        common = dict(
+            kind=BufferKind.TEMPORARY, use_steps=(), nodes=(), holders=(), saved=(), last_fw_use=None, first_bw_use=None
+        )
         extra.append(
             replace(
                 buf,
@@ -283,6 +293,7 @@ def recompute_view(live: Liveness, costs: Costs, chains: dict[int, Chain], chose
                 last_step=until,
                 use_steps=(),
                 nodes=(),
+                holders=(),
                 saved=(),
                 last_fw_use=None,
                 first_bw_use=None,
@@ -807,6 +818,9 @@ def _records(live: Liveness, chains) -> tuple[Recompute, ...]:
                 rng_nodes=c.rng_nodes,
                 flops=c.flops,
                 seconds=c.seconds,
+                saved_refs=tuple(live.saved[i].fw_ref for i in c.saved),
+                node_refs=c.node_refs,
+                leaf_refs=tuple(leaf.fw_ref for leaf in c.leaves),
             )
         )
     return tuple(out)
@@ -930,8 +944,14 @@ def _plan_joint(
         costs2 = _costs_after(copy, live, costs, live2)
         allowed = None
         if only is not None:
-            names = {live.saved[i].fw_node for b in only if b not in chosen for i in live.buffers[b].saved}
-            allowed = frozenset(s.buffer for s in live2.saved if s.fw_node in names)
+            # The saved views of the buffers allowed, as nodes of the copy.
+            wanted = {
+                insert_recompute.copied_node(copy, live.saved[i].fw_ref)
+                for b in only
+                if b not in chosen
+                for i in live.buffers[b].saved
+            }
+            allowed = frozenset(s.buffer for s in live2.saved if s.fw_ref in wanted)
         p = plan_offload(live2, costs2, budget, min_offload_bytes, only=allowed)
         if not p.feasible and allowed is not None and strategy != "recompute":
             p = plan_offload(live2, costs2, budget, min_offload_bytes)

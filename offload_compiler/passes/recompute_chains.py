@@ -44,6 +44,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from ..graph_pair import GraphPair
+from ..ir.refs import node_ref
 from .cost_model import Costs
 from .liveness import BufferKind, Liveness, _is_collective
 
@@ -139,12 +140,17 @@ class Leaf:
         kind: ``"saved"`` (a saved tensor), ``"symint"`` (a saved size), ``"parameter"``,
             ``"input"`` or ``"rng state"`` (see the module docstring).
         buffer: the liveness buffer of a ``"saved"`` leaf (``None`` otherwise).
+        fw_ref / bw_ref: the forward node and the backward placeholder as references into the
+            graphs analysed; for an ``"rng state"`` leaf (a node the rewrite makes) ``fw_ref`` is
+            the random op whose state it is.
     """
 
     fw_node: str
     bw_node: str | None
     kind: str
     buffer: int | None = None
+    fw_ref: fx.Node | None = node_ref()
+    bw_ref: fx.Node | None = node_ref()
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,7 @@ class Chain:
         buffer: the liveness buffer id.
         saved: indices into ``Liveness.saved`` of its saved views (all rebuilt).
         nodes: forward node names to duplicate, in forward order.
+        node_refs / rng_refs: ``nodes`` and ``rng_nodes`` as references into the graphs analysed.
         leaves: what the chain reads (see :class:`Leaf`).
         depends_on: buffers of ``"saved"`` leaves that are saved activations (the plan may offload
             or recompute them too; a recomputed one is rebuilt first).
@@ -183,6 +190,8 @@ class Chain:
     recompute_before: int
     last_fw_use: int
     rng_states: tuple[tuple[int, int], ...] = ()
+    node_refs: tuple[fx.Node, ...] = node_ref(())
+    rng_refs: tuple[fx.Node, ...] = node_ref(())
 
 
 @dataclass(frozen=True)
@@ -281,24 +290,27 @@ def analyze(pair: GraphPair, liveness: Liveness, costs: Costs, rng_replay: bool 
         costs: their costs (seconds and FLOPs of each forward node).
         rng_replay: whether random ops may be replayed from saved generator state (``inner="eager"``).
     """
-    fw_nodes = {n.name: n for n in pair.forward.graph.nodes}
+    fw_graph = pair.forward.graph
+    # Names in use: the rewrite adds nodes named after forward nodes (the partitioner's binding).
+    fw_names = {n.name for n in fw_graph.nodes}
     bw_names = {n.name for n in pair.backward.graph.nodes}
-    bw_placeholders = {n.name for n in pair.backward.graph.find_nodes(op="placeholder")}
-    fw_placeholders = list(pair.forward.graph.find_nodes(op="placeholder"))
+    fw_placeholders = list(fw_graph.find_nodes(op="placeholder"))
     static = set(pair.static_input_indices)
     placeholder_kind = {n: ("parameter" if i in static else "input") for i, n in enumerate(fw_placeholders)}
-    saved_by_node: dict[str, int] = {s.fw_node: s.index for s in liveness.saved}
-    # Saved values the backward receives (tensors and sizes): forward name -> placeholder name.
-    links = {}
-    for i, out in enumerate(pair.fw_outputs()):
-        if i >= pair.num_fwd_outputs and isinstance(out, fx.Node) and out.name in bw_placeholders:
-            links[out.name] = out.name
-    buffer_of: dict[str, list[int]] = {}
+    saved_by_node: dict[fx.Node, int] = {s.fw_ref: s.index for s in liveness.saved}
+    # Saved values the backward receives (tensors and sizes): forward node -> placeholder, where
+    # the partitioner bound them by name (a checkpointed region's generator state, bound by
+    # position, is no leaf: a chain through it is refused).
+    links = {
+        link.fw_node: link.bw_placeholder
+        for link in pair.saved_links(sizes=True)
+        if link.bw_placeholder is not None and link.bw_placeholder.name == link.fw_node.name
+    }
+    buffer_of: dict[fx.Node, list[int]] = {}
     for b in liveness.buffers:
-        for holder in b.nodes:
-            tag, _, name = holder.partition(":")
-            if tag == "forward":
-                buffer_of.setdefault(name, []).append(b.id)
+        for holder in b.holders:
+            if holder.graph is fw_graph:
+                buffer_of.setdefault(holder, []).append(b.id)
 
     state_bytes = int(torch.get_rng_state().numel())  # the CPU generator's state (uint8)
     chains, refused = [], []
@@ -307,23 +319,25 @@ def analyze(pair: GraphPair, liveness: Liveness, costs: Costs, rng_replay: bool 
             continue
         if b.first_bw_use is None or b.last_fw_use is None:
             continue
-        own = {liveness.saved[i].fw_node for i in b.saved}
-        nodes: dict[str, fx.Node] = {}
-        leaves: dict[str, Leaf] = {}
+        own = list(dict.fromkeys(liveness.saved[i].fw_ref for i in b.saved))
+        own_set = set(own)
+        nodes: dict[fx.Node, None] = {}
+        leaves: dict[object, Leaf] = {}  # by forward node; a generator state by ("rng state", its op)
         reason = None
-        stack = [fw_nodes[name] for name in own]
+        stack = list(own)
         while stack and reason is None:
             n = stack.pop()
-            if n.name in nodes or n.name in leaves:
+            if n in nodes or n in leaves:
                 continue
-            if n.name not in own and n.name in links:
-                j = saved_by_node.get(n.name)
+            if n not in own_set and n in links:
+                j = saved_by_node.get(n)
                 if j is not None:
                     kind = "saved"
                     buf = liveness.saved[j].buffer
                 else:
                     kind, buf = "symint" if not isinstance(n.meta.get("val"), torch.Tensor) else "saved", None
-                leaves[n.name] = Leaf(n.name, n.name, kind, buf)
+                ph = links[n]
+                leaves[n] = Leaf(n.name, ph.name, kind, buf, fw_ref=n, bw_ref=ph)
                 continue
             if n.op == "placeholder":
                 if not isinstance(n.meta.get("val"), torch.Tensor):
@@ -331,7 +345,7 @@ def analyze(pair: GraphPair, liveness: Liveness, costs: Costs, rng_replay: bool 
                 elif n.name in bw_names:
                     reason = f"needs {n.name!r}, whose name the backward already uses"
                 else:
-                    leaves[n.name] = Leaf(n.name, None, placeholder_kind[n])
+                    leaves[n] = Leaf(n.name, None, placeholder_kind[n], fw_ref=n)
                 continue
             why = refusal(n, rng_replay)
             if why is not None:
@@ -339,11 +353,11 @@ def analyze(pair: GraphPair, liveness: Liveness, costs: Costs, rng_replay: bool 
                 break
             if _rng_replayed(n):
                 state = n.name + RNG_STATE_SUFFIX
-                if state in bw_names or state in fw_nodes:
+                if state in bw_names or state in fw_names:
                     reason = f"the name {state!r} for {n.name!r}'s generator state is taken"
                     break
-                leaves[state] = Leaf(state, None, "rng state")
-            nodes[n.name] = n
+                leaves[("rng state", n)] = Leaf(state, None, "rng state", fw_ref=n)
+            nodes[n] = None
             if len(nodes) > MAX_CHAIN_NODES:
                 reason = f"the chain is longer than {MAX_CHAIN_NODES} nodes"
                 break
@@ -351,15 +365,15 @@ def analyze(pair: GraphPair, liveness: Liveness, costs: Costs, rng_replay: bool 
         if reason is not None:
             refused.append((b.id, reason))
             continue
-        order = {name: liveness.step_named("forward", name) for name in nodes}
-        names = tuple(sorted(nodes, key=order.__getitem__))
-        seconds = sum(costs.step_seconds[order[n]] for n in names)
-        flops = sum(costs.step_flops[order[n]] for n in names)
+        order = {n: liveness.step_at(n) for n in nodes}
+        chain_nodes = tuple(sorted(nodes, key=order.__getitem__))
+        seconds = sum(costs.step_seconds[order[n]] for n in chain_nodes)
+        flops = sum(costs.step_flops[order[n]] for n in chain_nodes)
         transient = 0
-        for name in names:
-            for bid in buffer_of.get(name, ()):
+        for n in chain_nodes:
+            for bid in buffer_of.get(n, ()):
                 other = liveness.buffers[bid]
-                if bid != b.id and other.def_step == order[name] and other.on_device and not other.fused:
+                if bid != b.id and other.def_step == order[n] and other.on_device and not other.fused:
                     transient += other.size_bytes
         depends = sorted(
             {
@@ -368,23 +382,24 @@ def analyze(pair: GraphPair, liveness: Liveness, costs: Costs, rng_replay: bool 
                 if leaf.buffer is not None and liveness.buffers[leaf.buffer].kind is BufferKind.SAVED
             }
         )
+        rng = tuple(n for n in chain_nodes if _rng_replayed(n))
         chains.append(
             Chain(
                 buffer=b.id,
                 saved=tuple(b.saved),
-                nodes=names,
+                nodes=tuple(n.name for n in chain_nodes),
                 leaves=tuple(sorted(leaves.values(), key=lambda x: x.fw_node)),
                 depends_on=tuple(depends),
-                rng_nodes=tuple(n for n in names if _rng_replayed(nodes[n])),
+                rng_nodes=tuple(n.name for n in rng),
                 size_bytes=b.size_bytes,
                 flops=int(flops),
                 seconds=float(seconds),
                 transient_bytes=int(transient),
                 recompute_before=int(b.first_bw_use),
                 last_fw_use=int(b.last_fw_use),
-                rng_states=tuple(
-                    (order[n], state_bytes if liveness.device == "cpu" else 0) for n in names if _rng_replayed(nodes[n])
-                ),
+                rng_states=tuple((order[n], state_bytes if liveness.device == "cpu" else 0) for n in rng),
+                node_refs=chain_nodes,
+                rng_refs=rng,
             )
         )
     return ChainAnalysis(tuple(chains), tuple(refused))

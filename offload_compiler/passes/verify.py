@@ -151,13 +151,14 @@ def _check_recompute(pair: GraphPair) -> list[str]:
     from .recompute_chains import refusal
 
     errors = []
-    fw_outputs = {n.name: n for n in pair.fw_outputs() if isinstance(n, fx.Node)}
+    # The forward node each backward placeholder receives (GraphPair.saved_links binds them).
+    saved_from = {link.bw_placeholder: link.fw_node for link in pair.saved_links() if link.bw_placeholder is not None}
     for n in pair.backward.graph.nodes:
         if RECOMPUTE_KEY not in n.meta:
             continue
         if n.op == "call_function" and n.target is run_with_rng_state:
             state = n.args[0]
-            src = fw_outputs.get(state.name) if isinstance(state, fx.Node) else None
+            src = saved_from.get(state) if isinstance(state, fx.Node) else None
             if (
                 not isinstance(state, fx.Node)
                 or state.op != "placeholder"
