@@ -253,104 +253,119 @@ def check_residency(pair: GraphPair, the_plan: ResidencyPlan) -> list[str]:
 def _residency_errors(graph_name: str, gm: fx.GraphModule, state: dict, name_of) -> list[str]:
     """The residency violations in one graph (see :func:`check_residency`), walking it in order
     from ``state`` (slot -> released, fetching or resident; updated to the graph's end)."""
-    RELEASED, FETCHING, RESIDENT = _RELEASED, _FETCHING, _RESIDENT
-    errors: list[str] = []
-
-    def storage_of(node):
-        val = node.meta.get("val") if isinstance(node, fx.Node) else None
-        return storage_key(val) if isinstance(val, torch.Tensor) else None
-
-    storage_slot: dict = {}
+    walk = _ResidencyWalk(graph_name, gm, state, name_of)
+    steps = {
+        PARAM_FETCH: walk.fetch,
+        PARAM_FETCH_WAIT: walk.fetch_wait,
+        PARAM_RELEASE: walk.release,
+        GRAD_TO_HOST: walk.grad_to_host,
+        GRAD_TO_HOST_WAIT: walk.grad_to_host_wait,
+    }
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in (PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE):
-            st = storage_of(n.args[0])
-            if st is not None:
-                storage_slot[st] = n.args[1]
-    fetch_of: dict = {}  # slot -> the fetch node waiting for its wait
-    grad_issue: dict = {}  # slot -> the grad_to_host node waiting for its wait
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is PARAM_FETCH:
-            slot = n.args[1]
-            if state.get(slot) == FETCHING:
-                errors.append(
-                    f"{graph_name}: {n.name} fetches parameter {name_of(slot)} again before the wait of "
-                    f"{fetch_of[slot].name}"
-                )
-            state[slot] = FETCHING
-            fetch_of[slot] = n
-            continue
-        if n.op == "call_function" and n.target is PARAM_FETCH_WAIT:
-            slot = n.args[1]
-            if state.get(slot) != FETCHING:
-                # The state stays as it was (a released parameter's readers are reported).
-                errors.append(f"{graph_name}: {n.name} waits for a fetch of {name_of(slot)} that was not issued")
-                continue
-            if storage_of(n.args[0]) != storage_of(fetch_of[slot].args[0]):
-                errors.append(f"{graph_name}: {n.name} waits on another storage than its fetch {fetch_of[slot].name}")
-            state[slot] = RESIDENT
-            fetch_of.pop(slot)
-            continue
-        if n.op == "call_function" and n.target is PARAM_RELEASE:
-            slot = n.args[1]
-            if state.get(slot) == FETCHING:
-                errors.append(
-                    f"{graph_name}: {n.name} releases parameter {name_of(slot)} before the wait of its fetch "
-                    f"{fetch_of[slot].name}"
-                )
-                fetch_of.pop(slot, None)
-            elif state.get(slot) != RESIDENT:
-                errors.append(f"{graph_name}: {n.name} releases slot {slot} that is not resident")
-            state[slot] = RELEASED
-            continue
-        if n.op == "call_function" and n.target is GRAD_TO_HOST:
-            slot = n.args[1]
-            if slot in grad_issue:
-                errors.append(
-                    f"{graph_name}: {n.name} sends the gradient of {name_of(slot)} to host again before the "
-                    f"wait of {grad_issue[slot].name}"
-                )
-            grad_issue[slot] = n
-            continue
-        if n.op == "call_function" and n.target is GRAD_TO_HOST_WAIT:
-            slot = n.args[1]
-            issue = grad_issue.pop(slot, None)
-            if issue is None:
-                errors.append(
-                    f"{graph_name}: {n.name} waits for a gradient copy of {name_of(slot)} that was not issued"
-                )
-            elif n.args[0] is not issue.args[0]:
-                errors.append(
-                    f"{graph_name}: {n.name} keeps {n.args[0]} alive, not the gradient {issue.args[0]} that "
-                    f"{issue.name} copies"
-                )
-            continue
-        if n.op in ("placeholder", "output"):
-            continue
+        step = steps.get(n.target) if n.op == "call_function" else None
+        if step is not None:
+            step(n)
+        elif n.op not in ("placeholder", "output"):
+            walk.read(n)
+    walk.finish()
+    return walk.errors
+
+
+def _storage_of(node):
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return storage_key(val) if isinstance(val, torch.Tensor) else None
+
+
+class _ResidencyWalk:
+    """One graph's walk of :func:`_residency_errors`: a method per parameter op (``n.args[1]`` is
+    the slot), :meth:`read` for every other node, :meth:`finish` at the graph's end."""
+
+    def __init__(self, graph_name: str, gm: fx.GraphModule, state: dict, name_of):
+        self.graph_name, self.state, self.name_of = graph_name, state, name_of
+        self.errors: list[str] = []
+        self.fetch_of: dict = {}  # slot -> the fetch node waiting for its wait
+        self.grad_issue: dict = {}  # slot -> the grad_to_host node waiting for its wait
+        self.storage_slot: dict = {}  # a parameter's storage -> its slot
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target in (PARAM_FETCH, PARAM_FETCH_WAIT, PARAM_RELEASE):
+                st = _storage_of(n.args[0])
+                if st is not None:
+                    self.storage_slot[st] = n.args[1]
+
+    def _error(self, text: str) -> None:
+        self.errors.append(f"{self.graph_name}: {text}")
+
+    def fetch(self, n: fx.Node) -> None:
+        slot = n.args[1]
+        if self.state.get(slot) == _FETCHING:
+            self._error(
+                f"{n.name} fetches parameter {self.name_of(slot)} again before the wait of {self.fetch_of[slot].name}"
+            )
+        self.state[slot] = _FETCHING
+        self.fetch_of[slot] = n
+
+    def fetch_wait(self, n: fx.Node) -> None:
+        slot = n.args[1]
+        if self.state.get(slot) != _FETCHING:
+            # The state stays as it was (a released parameter's readers are reported).
+            self._error(f"{n.name} waits for a fetch of {self.name_of(slot)} that was not issued")
+            return
+        if _storage_of(n.args[0]) != _storage_of(self.fetch_of[slot].args[0]):
+            self._error(f"{n.name} waits on another storage than its fetch {self.fetch_of[slot].name}")
+        self.state[slot] = _RESIDENT
+        self.fetch_of.pop(slot)
+
+    def release(self, n: fx.Node) -> None:
+        slot = n.args[1]
+        if self.state.get(slot) == _FETCHING:
+            self._error(
+                f"{n.name} releases parameter {self.name_of(slot)} before the wait of its fetch "
+                f"{self.fetch_of[slot].name}"
+            )
+            self.fetch_of.pop(slot, None)
+        elif self.state.get(slot) != _RESIDENT:
+            self._error(f"{n.name} releases slot {slot} that is not resident")
+        self.state[slot] = _RELEASED
+
+    def grad_to_host(self, n: fx.Node) -> None:
+        slot = n.args[1]
+        if slot in self.grad_issue:
+            self._error(
+                f"{n.name} sends the gradient of {self.name_of(slot)} to host again before the wait of "
+                f"{self.grad_issue[slot].name}"
+            )
+        self.grad_issue[slot] = n
+
+    def grad_to_host_wait(self, n: fx.Node) -> None:
+        slot = n.args[1]
+        issue = self.grad_issue.pop(slot, None)
+        if issue is None:
+            self._error(f"{n.name} waits for a gradient copy of {self.name_of(slot)} that was not issued")
+        elif n.args[0] is not issue.args[0]:
+            self._error(f"{n.name} keeps {n.args[0]} alive, not the gradient {issue.args[0]} that {issue.name} copies")
+
+    def read(self, n: fx.Node) -> None:
+        """``n`` reads its inputs: every parameter among them must be resident (size queries
+        excepted)."""
         for m in n.all_input_nodes:
-            st = storage_of(m)
-            slot = storage_slot.get(st) if st is not None else None
-            if slot is None or state.get(slot) == RESIDENT or _size_query(n):
+            st = _storage_of(m)
+            slot = self.storage_slot.get(st) if st is not None else None
+            if slot is None or self.state.get(slot) == _RESIDENT or _size_query(n):
                 continue
-            if state.get(slot) == FETCHING:
-                errors.append(
-                    f"{graph_name}: {n.name} reads parameter {name_of(slot)} (via {m.name}) before the wait of "
-                    f"its fetch {fetch_of[slot].name}"
-                )
+            what = f"parameter {self.name_of(slot)} (via {m.name})"
+            if self.state.get(slot) == _FETCHING:
+                self._error(f"{n.name} reads {what} before the wait of its fetch {self.fetch_of[slot].name}")
             elif _metadata_only(n):
-                errors.append(
-                    f"{graph_name}: view {n.name} of parameter {name_of(slot)} (via {m.name}) is made while it is "
-                    "released"
-                )
+                self._error(f"view {n.name} of {what} is made while it is released")
             else:
-                errors.append(
-                    f"{graph_name}: {n.name} reads parameter {name_of(slot)} (via {m.name}) while it is released"
-                )
-    for slot, f in fetch_of.items():
-        errors.append(f"{graph_name}: fetch {f.name} of parameter {name_of(slot)} has no param_fetch_wait")
-        state[slot] = RESIDENT  # do not report every later reader again
-    for slot, g in grad_issue.items():
-        errors.append(f"{graph_name}: {g.name} (gradient of {name_of(slot)} to host) has no grad_to_host_wait")
-    return errors
+                self._error(f"{n.name} reads {what} while it is released")
+
+    def finish(self) -> None:
+        for slot, f in self.fetch_of.items():
+            self._error(f"fetch {f.name} of parameter {self.name_of(slot)} has no param_fetch_wait")
+            self.state[slot] = _RESIDENT  # do not report every later reader again
+        for slot, g in self.grad_issue.items():
+            self._error(f"{g.name} (gradient of {self.name_of(slot)} to host) has no grad_to_host_wait")
 
 
 _SIZE_QUERIES = frozenset(
