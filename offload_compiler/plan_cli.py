@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from .devices import KNOWN_DEVICES, DeviceSpec, lookup_device
+from .ir.meta import TARGET_DEVICE_KEY
 from .options import MemoryBudget, TrinityOptions, format_bytes, parse_size
 from .passes import cost_model, param_residency, plan_recompute
 from .trace import TracedStep
@@ -285,6 +286,9 @@ def plan_step(
     t0 = time.perf_counter()
     pair = traced.pair
     prepare(pair)
+    # The trace is on the CPU; the graphs are planned for ``device`` (Inductor's fusions differ).
+    for gm in (pair.forward, pair.backward):
+        gm.meta[TARGET_DEVICE_KEY] = "cpu" if device.host_is_device else "cuda"
     analysis = analyze_pair(pair, base, device)
     full_state = _OPTIMIZER_STATES[optimizer] * traced.param_bytes
     params = {}

@@ -414,3 +414,33 @@ def test_addmm_pattern_needs_a_broadcastable_same_dtype_input():
     bad = capture_pair(fn_bad, a, b, c)
     mm = next(n for n in bad.forward.graph.nodes if n.target is torch.ops.aten.mm.default)
     assert liveness.addmm_fused_into(mm) is None  # float64 input: Inductor keeps mm and add apart
+
+
+def test_addmm_pattern_on_a_gpu_skips_adds_read_only_by_pointwise_ops():
+    """Inductor's ``should_prefer_unfused_addmm``: on a GPU an add whose readers are all pointwise
+    (through views) keeps its product apart; ``plan`` traces on the CPU for a GPU's figures and
+    says so with ``TARGET_DEVICE_KEY`` on the graphs, which liveness follows."""
+    from offload_compiler.ir.meta import TARGET_DEVICE_KEY
+
+    torch.manual_seed(0)
+    a = torch.randn(8, 4, requires_grad=True)
+    b = torch.randn(4, 8, requires_grad=True)
+    c = torch.randn(8, 8)
+
+    def pointwise_reader(a, b, c):
+        return torch.ops.aten.add.Tensor(a @ b, c).view(64).sin().sum()
+
+    def reduction_reader(a, b, c):
+        return torch.ops.aten.add.Tensor(a @ b, c).sum()
+
+    for fn, on_gpu in ((pointwise_reader, False), (reduction_reader, True)):
+        pair = capture_pair(fn, a, b, c)
+        mm = next(n for n in pair.forward.graph.nodes if n.target is torch.ops.aten.mm.default)
+        assert liveness.addmm_fused_into(mm) is not None  # the CPU fuses either way
+        assert liveness.addmm_fused_into(mm, "cpu") is not None
+        assert (liveness.addmm_fused_into(mm, "cuda") is not None) == on_gpu, fn.__name__
+        mm_name = f"forward:{mm.name}"
+        assert buffer_holding(liveness.analyze(pair, assume_fusion=True), mm_name).fused
+        for gm in (pair.forward, pair.backward):
+            gm.meta[TARGET_DEVICE_KEY] = "cuda"
+        assert buffer_holding(liveness.analyze(pair, assume_fusion=True), mm_name).fused == on_gpu

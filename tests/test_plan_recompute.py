@@ -395,3 +395,33 @@ def test_verifier_refuses_a_recomputed_op_that_may_not_be(mlp):
     pair = GraphPair(fx.GraphModule(mlp.forward, copy.forward.graph), bw, mlp.num_fwd_outputs, mlp.static_input_indices)
     with pytest.raises(verify.VerificationError, match="may not be recomputed.*random"):
         verify.verify(pair, None)
+
+
+def _multi_knapsack(n=400, k=30, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    m = plan_recompute._Model()
+    value = rng.integers(1, 1000, n)
+    xs = [m.var(cost=-float(value[i]), integer=True) for i in range(n)]
+    weights = []
+    for _ in range(k):
+        w = rng.integers(1, 1000, n)
+        weights.append(w)
+        m.row({x: float(w[i]) for i, x in enumerate(xs)}, 0.0, float(w.sum() // 4))
+    return m, weights
+
+
+@pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
+def test_solver_time_limit_is_soft_until_a_first_solution():
+    """Past the soft limit the solver stops at its first feasible solution, but not before it has
+    one (up to the hard limit): a busy machine gets a later plan, not the greedy fallback's."""
+    m, weights = _multi_knapsack()
+    status, sol = m.solve(0.0)
+    assert sol is not None, status
+    x = sol[: len(weights[0])]
+    assert set(x.round().tolist()) <= {0.0, 1.0}
+    for w in weights:
+        assert float(w @ x.round()) <= w.sum() // 4
+    status, sol = m.solve(0.0, hard_limit=0.0)  # a hard zero: no time to find anything
+    assert sol is None and "time limit" in status.lower(), status

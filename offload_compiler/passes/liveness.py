@@ -26,6 +26,7 @@ parameter whose storage ``trinity::param_fetch`` / ``param_release`` nodes fetch
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -38,6 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph_pair import GraphPair, hint_int, is_rng_state, tensor_vals
 from ..ir.alias import plain_tensors, schema_view_of, span_bytes, tensor_span_bytes
+from ..ir.meta import TARGET_DEVICE_KEY
 from ..ir.ops import EVICT, PARAM_FETCH, PARAM_RELEASE, PREFETCH
 from ..ir.refs import node_ref
 from .margins import WorkspaceMargins
@@ -466,23 +468,23 @@ def _is_host_placeholder(node: fx.Node) -> bool:
     )
 
 
-def _fusible(node: fx.Node) -> bool:
+def _fusible(node: fx.Node, device_type: str | None = None) -> bool:
     """A node Inductor computes inside its only reader's kernel and never allocates: a pointwise
     op whose only reader is a pointwise op or a reduction (and not an ``add`` that becomes an
     ``addmm``), or an ``mm`` that Inductor's ``addmm`` pattern fuses into that reader
     (:func:`addmm_fused_into`)."""
-    if addmm_fused_into(node) is not None:
+    if addmm_fused_into(node, device_type) is not None:
         return True
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     if torch.Tag.pointwise not in node.target.tags or len(node.users) != 1:
         return False
-    if any(addmm_fused_into(a) is node for a in node.all_input_nodes):
+    if any(addmm_fused_into(a, device_type) is node for a in node.all_input_nodes):
         return False  # an add that becomes an extern addmm kernel is allocated
     (user,) = node.users
     if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
         return False
-    if any(addmm_fused_into(a) is user for a in user.all_input_nodes):
+    if any(addmm_fused_into(a, device_type) is user for a in user.all_input_nodes):
         return False  # the reader is an extern addmm kernel, nothing fuses into it
     return torch.Tag.pointwise in user.target.tags or torch.Tag.reduction in user.target.tags
 
@@ -490,7 +492,7 @@ def _fusible(node: fx.Node) -> bool:
 _GPU_DEVICE_TYPES = frozenset({"cuda", "xpu", "mtia"})
 
 
-def addmm_fused_into(node: fx.Node) -> fx.Node | None:
+def addmm_fused_into(node: fx.Node, device_type: str | None = None) -> fx.Node | None:
     """The ``add`` that Inductor's post-grad ``addmm`` pattern fuses ``node`` (an ``aten.mm``)
     into, or ``None``.
 
@@ -499,7 +501,9 @@ def addmm_fused_into(node: fx.Node) -> fx.Node | None:
     ``alpha``, the mm read by the add alone, ``c`` a tensor of the mm's dtype that broadcasts to
     its shape) with ``addmm(c, a, b)`` *at the add*: the product then runs where the add is, so
     ``a`` and ``b`` stay allocated up to there and the product itself is never allocated. On a
-    GPU the pattern is skipped when every reader of the add is pointwise. A tied weight's two
+    GPU the pattern is skipped when every reader of the add is pointwise. ``device_type``: the
+    device the graph is compiled for (``None``: the fake value's; liveness passes
+    :data:`~offload_compiler.ir.meta.TARGET_DEVICE_KEY` of the forward where set). A tied weight's two
     gradient terms (a language model's head and its token embedding) are the common case: the
     head's product moves from the start of the backward to its end, with the logits' gradient.
     """
@@ -513,9 +517,9 @@ def addmm_fused_into(node: fx.Node) -> fx.Node | None:
         return None
     # add(mm_a, mm_b): the pattern with the product second is tried first, so mm_b is fused
     # (checked with torch 2.13: ``addmm(mm_a, c, d)``).
-    if a is node and _is_single_use_mm(b) and _addmm_valid(b, a):
+    if a is node and _is_single_use_mm(b) and _addmm_valid(b, a, device_type):
         return None
-    return add if _addmm_valid(node, b if a is node else a) else None
+    return add if _addmm_valid(node, b if a is node else a, device_type) else None
 
 
 def _is_single_use_mm(node) -> bool:
@@ -527,7 +531,7 @@ def _is_single_use_mm(node) -> bool:
     )
 
 
-def _addmm_valid(node: fx.Node, inp) -> bool:
+def _addmm_valid(node: fx.Node, inp, device_type: str | None) -> bool:
     """``is_valid_addmm_fusion`` and ``should_prefer_unfused_addmm`` of Inductor's post-grad
     pass for ``add(node, inp)`` (``node`` an ``aten.mm``)."""
     (add,) = node.users
@@ -542,15 +546,22 @@ def _addmm_valid(node: fx.Node, inp) -> bool:
             return False
     except (RuntimeError, ValueError):
         return False
-    return not (v_out.device.type in _GPU_DEVICE_TYPES and all(_is_pointwise(u) for u in add.users))
+    on_gpu = (device_type or v_out.device.type) in _GPU_DEVICE_TYPES
+    return not (on_gpu and all(_is_pointwise_use(u) for u in add.users))
 
 
-def _is_pointwise(node: fx.Node) -> bool:
-    return (
-        node.op == "call_function"
-        and isinstance(node.target, torch._ops.OpOverload)
-        and torch.Tag.pointwise in node.target.tags
-    )
+def _is_pointwise_use(use: fx.Node) -> bool:
+    """Inductor's ``is_pointwise_use`` (``torch/_inductor/utils.py``): a pointwise op, or a view
+    (or ``getitem``) all of whose readers are pointwise uses."""
+    if use.op != "call_function":
+        return False
+    if use.target is operator.getitem:
+        return all(_is_pointwise_use(u) for u in use.users)
+    if not isinstance(use.target, torch._ops.OpOverload):
+        return False
+    if use.target.is_view:
+        return all(_is_pointwise_use(u) for u in use.users)
+    return torch.Tag.pointwise in use.target.tags
 
 
 def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMargins | None = None) -> Liveness:
@@ -581,7 +592,8 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
     keys = _storage_keys(fw_nodes, bw_nodes, links)
     kind_of = _buffer_kinds(pair, fw_nodes, keys, links)
     save_only = _save_only_views(fw_nodes, keys.node_keys)
-    fused_nodes = _fused_nodes(sched.nodes, keys, kind_of) if assume_fusion else set()
+    target = getattr(pair.forward, "meta", {}).get(TARGET_DEVICE_KEY)
+    fused_nodes = _fused_nodes(sched.nodes, keys, kind_of, target) if assume_fusion else set()
 
     def reader_step(n: fx.Node) -> int:
         return sched.node_step[fused_chain_end(n, fused_nodes)]
@@ -756,7 +768,7 @@ def _save_only_views(fw_nodes: list[fx.Node], node_keys: dict) -> set[fx.Node]:
     return save_only
 
 
-def _fused_nodes(nodes: list[fx.Node], keys: _Keys, kind_of: dict) -> set[fx.Node]:
+def _fused_nodes(nodes: list[fx.Node], keys: _Keys, kind_of: dict, device_type: str | None = None) -> set[fx.Node]:
     """With fusion, a pointwise node whose only reader is pointwise or a reduction is computed
     inside that reader's kernel: it is never allocated, and what it reads is read where the chain
     of such nodes ends. Only temporaries held by that node alone."""
@@ -772,7 +784,7 @@ def _fused_nodes(nodes: list[fx.Node], keys: _Keys, kind_of: dict) -> set[fx.Nod
             and len(node_keys) == 1
             and kind_of.get(keys.uf.find(node_keys[0]), BufferKind.TEMPORARY) is BufferKind.TEMPORARY
             and holders[keys.uf.find(node_keys[0])] == {n}
-            and _fusible(n)
+            and _fusible(n, device_type)
         ):
             fused.add(n)
     return fused
