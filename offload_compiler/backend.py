@@ -223,8 +223,15 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
             patches.update(list_mode_options(mode))
         patches.update(dict(opts.inductor_config))
         patches["custom_partitioner_fn"] = partitioner
+        from .inductor_fixes import with_cpu_codegen_fixes
+
+        # CPU graphs: torch's 2-D tiled accumulating stores (index_put backward) write to wrong
+        # addresses on more than one thread; inductor_fixes.py generates them correctly. Around
+        # each graph's inner compile, as AOTAutograd may compile the backward at its first run.
         with _no_caches():
-            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+            compiled = compile_fx(
+                gm, example_inputs, inner_compile=with_cpu_codegen_fixes(device), config_patches=patches
+            )
     else:
         if mode not in (None, "default"):
             raise ValueError(
