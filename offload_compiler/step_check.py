@@ -142,10 +142,15 @@ class PlannedSteps:
         for b in live.buffers:
             if b.on_device and not b.fused:
                 defined[b.def_step] += b.size_bytes
+        # Held before the step starts: the allocator trace does not see them. A parameter that
+        # trinity fetches (parameter offload) is not, unless it is resident when the step starts:
+        # its fetches are allocations the trace sees.
         resident = sum(
             b.size_bytes
             for b in live.buffers
-            if b.on_device and b.kind in (liveness.BufferKind.PARAMETER, liveness.BufferKind.INPUT)
+            if b.on_device
+            and b.kind in (liveness.BufferKind.PARAMETER, liveness.BufferKind.INPUT)
+            and (not b.resident_steps or b.resident_steps[0][0] <= b.def_step)
         )
         return PlannedSteps(
             nodes=tuple(f"{s.graph}:{s.node}" for s in live.steps),
