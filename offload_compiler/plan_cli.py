@@ -220,7 +220,9 @@ def _parse_budgets(budgets: list[str], device: DeviceSpec) -> list[tuple[str, Me
             continue
         try:
             mb = MemoryBudget.parse(b, key="--budgets")
-        except ValueError:
+        except ValueError as exc:
+            if b.strip().endswith("%"):  # a percentage out of range: the parser's reason says which
+                raise ValueError(str(exc)) from None
             mb = None
         if mb is None or mb.kind not in ("bytes", "fraction"):
             raise ValueError(f"--budgets: {b!r} is not a size ('24GiB'), a percentage ('50%') or 'device'")

@@ -150,6 +150,7 @@ def test_main_prints_table_and_writes_frontier(tmp_path, capsys):
     [
         (["--model", "gpt5"], "unknown model 'gpt5'"),
         (["--budgets", "12XB"], "--budgets: '12XB' is not a size"),
+        (["--budgets", "150%"], "got '150%'; a percentage must be in (0%, 100%]"),
         (["--dtype", "int8"], "--dtype 'int8'"),
         (["--optimizer", "lion"], "unknown optimizer 'lion'"),
         (["--device", "tpu-v5"], "unknown device 'tpu-v5'"),
