@@ -19,7 +19,6 @@ from dataclasses import asdict, replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from offload_compiler import pipeline
 from offload_compiler.devices import KNOWN_DEVICES
@@ -40,16 +39,7 @@ from offload_compiler.passes import (
 
 from ._pass_helpers import analyze, mlp4_pair, spec
 from .graphs import capture_pair, mlp_pair
-
-SLOW_LINK = spec(h2d_bytes_per_s=1e6, d2h_bytes_per_s=1e6)
-D, N, L = 32, 64, 4
-
-
-def gelu_mlp(*args):
-    *ws, h = args
-    for w in ws:
-        h = F.gelu(h @ w)
-    return h.sum()
+from .test_plan_recompute import SLOW_LINK, D, L, N, gelu_mlp
 
 
 def gelu_pair():
