@@ -322,14 +322,13 @@ def gpu_models() -> list[dict]:
 def _predict_pytorch(traced, device, state_bytes: int) -> dict:
     """Peak (bytes, optimizer state included) and predicted step (seconds: compute only) of a
     traced PyTorch partitioning on ``device``'s figures."""
-    from offload_compiler.ir.meta import TARGET_DEVICE_KEY
     from offload_compiler.passes import cost_model, liveness
     from offload_compiler.pipeline import prepare
+    from offload_compiler.plan_cli import mark_target_device
 
     pair = traced.pair
     prepare(pair)  # the planning passes' graph preparation, once per pair (as plan_step runs it)
-    for gm in (pair.forward, pair.backward):  # planned for a GPU, as plan_step marks its pairs
-        gm.meta[TARGET_DEVICE_KEY] = "cpu" if device.host_is_device else "cuda"
+    mark_target_device(pair, device)  # planned for a GPU, as plan_step marks its pairs
     live = liveness.analyze(pair, assume_fusion=True)
     costs = cost_model.estimate(pair, live, device)
     return {"peak_bytes": live.peak_bytes + state_bytes, "step_seconds": costs.compute_seconds}

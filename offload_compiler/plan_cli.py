@@ -230,6 +230,14 @@ def _parse_budgets(budgets: list[str], device: DeviceSpec) -> list[tuple[str, Me
     return parsed
 
 
+def mark_target_device(pair, device: DeviceSpec) -> None:
+    """Writes :data:`~offload_compiler.ir.meta.TARGET_DEVICE_KEY` on ``pair``'s graphs: a trace
+    made on the CPU is planned for ``device`` (``"cuda"`` unless it is the host itself), whose
+    Inductor fusions liveness models (``passes/liveness.py``)."""
+    for gm in (pair.forward, pair.backward):
+        gm.meta[TARGET_DEVICE_KEY] = "cpu" if device.host_is_device else "cuda"
+
+
 def default_inner(offload: str) -> str:
     """The inner compiler ``plan`` assumes: the backend's default, Inductor, for
     ``offload="activations"``; ``"eager"`` for parameter offload (which needs it)."""
@@ -288,9 +296,7 @@ def plan_step(
     t0 = time.perf_counter()
     pair = traced.pair
     prepare(pair)
-    # The trace is on the CPU; the graphs are planned for ``device`` (Inductor's fusions differ).
-    for gm in (pair.forward, pair.backward):
-        gm.meta[TARGET_DEVICE_KEY] = "cpu" if device.host_is_device else "cuda"
+    mark_target_device(pair, device)
     analysis = analyze_pair(pair, base, device)
     full_state = _OPTIMIZER_STATES[optimizer] * traced.param_bytes
     params = {}
