@@ -37,7 +37,11 @@ planned step peak against the final budget, and refuses there (``on_infeasible="
 warns.
 
 **Where the ledger lives**: on the DDP module under DDP, else on the outermost module that owns
-the pair's parameters (the compiled model; after a graph break, the resumed frame's ``self``).
+the pair's parameters (the compiled model; after a graph break, the resumed frame's ``self``),
+or, when a module running further up the Python stack contains that one (a graph break inside
+a nested call makes Dynamo compile the inner module's frame on its own: Hugging Face's
+``LlamaModel`` inside ``LlamaForCausalLM``), the outermost such module; the ledger is then also
+set on the inner module, so both sides of the break share it.
 Pairs are identified by the frame's code object and their split index, so a recompile of a
 frame (another input shape) replaces that pair's entry. A pair whose parameters no module owns
 (a function of tensors) is planned alone, as before.
@@ -345,6 +349,31 @@ def _ddp_split_position() -> tuple[int, int] | None:
     return None
 
 
+def _enclosing_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The outermost ``nn.Module`` running on the Python stack (a frame's ``self``) that contains
+    ``module`` among its submodules, else ``module`` itself.
+
+    Dynamo compiles the frame of a module called from a frame it could not compile whole (a graph
+    break inside a nested call): the caller, running eagerly, is on the stack, and the pairs on
+    both sides of the break belong to its step. ``torch.compile``'s ``OptimizedModule`` wrapper is
+    skipped (its ``_orig_mod`` is the model itself)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    best = module
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if (
+            isinstance(owner, torch.nn.Module)
+            and owner is not best
+            and not isinstance(owner, OptimizedModule)
+            and any(m is best for m in owner.modules())
+        ):
+            best = owner
+        frame = frame.f_back
+    return best
+
+
 def join_step(gm, example_inputs, engine) -> StepPair | None:
     """The :class:`StepPair` of the pair being compiled from ``gm`` (a Dynamo graph), or
     ``None`` when it is not part of a model's step (no module owns its parameters, or it is
@@ -371,11 +400,13 @@ def join_step(gm, example_inputs, engine) -> StepPair | None:
         roots = owning_roots(gm, sorted(params))
         if not roots:
             return None
-        root = holder = roots[0]
+        root = holder = _enclosing_module(roots[0])
     ledger = getattr(holder, LEDGER_ATTR, None)
     if not isinstance(ledger, StepLedger) or not ledger.belongs_to(root):
         ledger = StepLedger(root, ddp)
         setattr(holder, LEDGER_ATTR, ledger)
+    if ddp is None and roots[0] is not holder:
+        setattr(roots[0], LEDGER_ATTR, ledger)  # step_report() of the inner module finds the step
     split = _ddp_split_position() if ddp is not None else None
     index = split[0] if split is not None else 0
     label = code.co_name + (f" (DDP split {index} of {split[1]})" if split is not None else "")

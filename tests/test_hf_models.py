@@ -260,7 +260,8 @@ def _error(losses, grads, ref_losses, ref_grads) -> tuple[float, float]:
 def _check_memory(model, compiled, batch, reports, budget: str, helps: bool = True) -> None:
     """Something evicted; each graph pair's plan within its budget where the budget is reachable
     (at the "feasible" budget the pair of the model's body always is) and at its lowest reachable peak where not;
-    the measured peak of a step within the sum of the pairs' budgets (or lowest peaks).
+    the measured peak of a step within the step's budget (its pairs share one: ``step_report``), or
+    within its predicted peak where the pairs' lowest-peak plans are above it.
 
     ``helps=False`` (the cases of :data:`NOTHING_HELPS`): instead, nothing is evicted and every
     pair's lowest reachable peak is its unplanned peak."""
@@ -270,8 +271,13 @@ def _check_memory(model, compiled, batch, reports, budget: str, helps: bool = Tr
     else:
         assert all(r.num_evicted == 0 for r in reports), "a copy that buys nothing:\n" + summaries
         assert all(r.lowest_reachable_peak_bytes == r.peak_bytes_unplanned for r in reports), summaries
+    ledger = offload_compiler.step_report(model)
+    assert ledger is not None and ledger.budget_bytes is not None, "no step ledger for the model"
+    # The budget binds the step (its pairs share it); a pair off the step's peak (the loss after a
+    # graph break) can fit it without a plan.
+    assert ledger.budget_bytes < ledger.unplanned_peak_bytes, ledger.summary()
     for r in reports:
-        assert r.budget_bytes is not None and r.budget_bytes < r.peak_bytes_unplanned
+        assert r.budget_bytes is not None
         assert r.feasible == (r.lowest_reachable_peak_bytes <= r.budget_bytes), r.summary()
         if r.feasible:
             assert r.peak_bytes_planned <= r.budget_bytes
@@ -289,14 +295,27 @@ def _check_memory(model, compiled, batch, reports, budget: str, helps: bool = Tr
     m = measure_peak_device_bytes(step, resident=resident, device="cpu")
     model.zero_grad(set_to_none=True)
     assert _count_graphs() == graphs, "the measured step compiled again: it is not the trained model's step"
-    limit = sum(r.budget_bytes if r.feasible else r.peak_bytes_planned for r in reports)
+    # The step's budget (its pairs share it: step_budget.py), or its predicted peak where the pairs'
+    # lowest-peak plans are above it. Not the sum of the pairs' budgets: a pair that does not run
+    # in the measured step (ViT recompiles its frame at the second step, as Hugging Face sets
+    # ``config.problem_type`` in the first forward) is no longer in the ledger, and the pairs that
+    # run share the parameters.
+    limit = ledger.budget_bytes if ledger.within_budget else ledger.predicted_peak_bytes
+    if budget == "feasible" and helps:
+        assert ledger.within_budget, ledger.summary()
     assert m.peak_bytes <= limit + PEAK_SLACK_BYTES, f"measured peak {m.peak_bytes} exceeds {limit}\n" + (
-        "\n".join(r.summary() for r in reports)
+        ledger.summary() + "\n" + "\n".join(r.summary() for r in reports)
     )
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-@pytest.mark.parametrize("arch, inner", [(a, i) for a in ARCHS for i in ("eager", "inductor")])
+# One xdist group per architecture: its cases share the float64 reference and the plain runs
+# (cached per process), so ``pytest -n 2 --dist loadgroup`` (``make test``) runs each architecture
+# on one worker and the architectures side by side.
+@pytest.mark.parametrize(
+    "arch, inner",
+    [pytest.param(a, i, marks=pytest.mark.xdist_group(f"hf-{a}")) for a in ARCHS for i in ("eager", "inductor")],
+)
 def test_hf_model_trains_like_its_reference(arch, inner, budget):
     start, ref_losses, ref_grads = _reference(arch)
     plain = "aot_eager" if inner == "eager" else "inductor"
