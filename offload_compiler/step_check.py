@@ -494,8 +494,8 @@ class CheckedCompile:
         planned = self._session.planned_steps
         names = frozenset(op for op in planned.ops if op)
         trace = _Trace(torch.device(planned.device), names)
-        trace.resident = resident_storages(_flat_tensors(args), planned.device)
         try:
+            trace.resident = resident_storages(_flat_tensors(args), planned.device)
             trace.start("forward")
         except Exception as exc:  # the check must never break a step
             self._give_up(trace, exc)

@@ -71,9 +71,10 @@ class MemoryMeasurement:
 def resident_storages(tensors: Iterable[Any], device: torch.device | str | None = None) -> dict[int, int]:
     """The distinct storages behind ``tensors``: data pointer -> bytes (views of one storage count
     once; a traceable wrapper subclass counts as its inner tensors, ``__tensor_flatten__``;
-    released storages, of 0 bytes, and entries that are no tensor are left out). With ``device``,
+    released storages, of 0 bytes, fake tensors and entries that are no tensor are left out). With ``device``,
     only tensors on that device (``"cpu"`` or ``"cuda:0"``; ``"cuda"`` matches every CUDA
     device)."""
+    from torch._subclasses.fake_tensor import is_fake
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     dev = torch.device(device) if device is not None else None
@@ -81,7 +82,7 @@ def resident_storages(tensors: Iterable[Any], device: torch.device | str | None 
     stack = list(tensors)
     while stack:
         t = stack.pop()
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or is_fake(t):  # a fake tensor holds no memory
             continue
         if is_traceable_wrapper_subclass(t):
             stack.extend(getattr(t, name) for name in t.__tensor_flatten__()[0])
