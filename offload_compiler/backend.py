@@ -276,4 +276,8 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
     holder._trinity_runtime = runtime
     holder._trinity_session = session
     holder._trinity_param_slots = tuple(session.param_slots.values())
+    if session.param_slots and opts.offload == "all":
+        from .param_offload import release_planned
+
+        release_planned(session.param_slots, session.residency_plans)  # host-resident before the first step
     return compiled
