@@ -26,6 +26,21 @@ the whole step within the budget. :class:`StepLedger` keeps those holdings; the 
 pair with them (``ModelState.held_bytes`` comes off the pair's budget) and records the result
 (:meth:`StepLedger.record`).
 
+**A pair run N times per step.** A block graph reused by identical blocks (FSDP2's per-block
+compile, ``fully_shard(block); block.compile(...)``, or any ``block.compile()`` /
+``torch.compile(block)`` of identical blocks: Dynamo compiles it once and every block runs the
+same code) runs ``F1 .. FN BN .. B1`` in one step. While run ``i`` runs, the runs before it hold
+what they keep for their backward, so the worst is the last: its own peak plus ``N - 1`` times
+the saved activations one run keeps (and the earlier runs' inputs, and their parameters where
+they stay allocated). The compile happens at the first block's call, when ``N`` is unknown: the
+runtime check of the first step (``step_check.py``) counts the runs of the pair alive at once
+and what other trinity pairs' runs outside its ledger hold beside its last run
+(:class:`StepReuse`), and, when that is more than the plan assumed, plans the pair again with it
+as a planning input (``ModelState.reuse_count``, ``pipeline.plan_pair``), so that own peak +
+``(N - 1)`` x kept + what the others hold is within the budget. A percentage is then of the
+step's unplanned peak: the pair's own plus ``N - 1`` unplanned runs' kept saved activations plus
+the others'. Later pairs of the same ledger see all ``N`` runs' kept activations and inputs.
+
 **Percentages** (``"50%"``) are of the step's peak without offloading: the largest, over the
 pairs compiled so far, of the pair's own unplanned peak plus what the others hold unplanned (the
 earlier pairs' saved activations all kept). A pair compiled before the step's last pair sees a
@@ -37,19 +52,23 @@ planned step peak against the final budget, and refuses there (``on_infeasible="
 warns.
 
 **Where the ledger lives**: on the DDP module under DDP, else on the outermost module that owns
-the pair's parameters (the compiled model; after a graph break, the resumed frame's ``self``).
-Pairs are identified by the frame's code object and their split index, so a recompile of a
-frame (another input shape) replaces that pair's entry. A pair whose parameters no module owns
-(a function of tensors) is planned alone, as before.
+the pair's parameters (the compiled model; after a graph break, the resumed frame's ``self``; for
+a per-block compile, the block whose call compiled the pair). Pairs are identified by the frame's
+code object and their split index, so a recompile of a frame (another input shape) replaces that
+pair's entry. A pair whose parameters no module owns (a function of tensors) is planned alone,
+as before. :func:`step_report` of a model whose blocks were compiled one by one gathers the
+blocks' ledgers.
 
 **What it does not cover** (see README "Distributed"): memory outside the compiled graphs (eager
-code between them, the optimizer's state, FSDP2's all-gather buffers); a block graph that runs
-several times per step (FSDP2 per-block compile, a reused ``block.compile()``: each run is planned
-as if it were the step's only one); pairs that do not run in compile order; earlier pairs are
-never replanned when a later one cannot fit (it is refused or warned about like any infeasible
-budget); under gradient accumulation, the pair's own gradients from the earlier micro-step;
-and ``memory_budget="auto"``, which is the free device memory at each pair's compile
-(what the others already hold is not free), without the ledger's holdings.
+code between them, the optimizer's state, FSDP2's all-gather and reduce-scatter buffers and
+sharded parameters); pairs that do not run in compile order (except the runs of other pairs that
+the first step's check sees beside a pair's run); a reused pair's ``N`` is what the first
+measured step showed (a step with more runs later is not seen), and it is replanned only with
+``runtime_check="replan"`` (the default) and ``offload="activations"``; earlier pairs are never
+replanned when a later one cannot fit (it is refused or warned about like any infeasible
+budget); under gradient accumulation, the pair's own gradients from the earlier micro-step; and
+``memory_budget="auto"``, which is the free device memory at each pair's compile (what the
+others already hold is not free), without the ledger's holdings.
 """
 
 from __future__ import annotations
@@ -63,9 +82,56 @@ import torch
 
 from .options import format_bytes
 
-__all__ = ["PairHolding", "StepLedger", "StepPair", "StepReport", "join_step", "step_report"]
+__all__ = ["PairHolding", "StepLedger", "StepPair", "StepReport", "StepReuse", "join_step", "step_report"]
 
 LEDGER_ATTR = "_trinity_step_ledger"
+
+
+@dataclass(frozen=True)
+class StepReuse:
+    """How many runs of one compiled pair are alive at once in a training step, and what else is
+    held beside its last run: measured by the runtime check of the first step
+    (:mod:`offload_compiler.step_check`), a planning input (``ModelState.reuse_count``).
+
+    Attributes:
+        runs: the reuse count N: runs of the pair whose forward has run and whose backward has not
+            (and whose autograd graph is alive), at the forward of its last run, that run
+            included (4 for one block graph run by 4 blocks, ``F1 .. F4 B4 .. B1``).
+        held_bytes: device bytes held while that run runs besides the N - 1 earlier runs' kept
+            saved activations (which the plan decides): the earlier runs' inputs other than
+            parameters, the parameters that the other runs read and that are still allocated,
+            with their gradients (counted whether or not they exist yet: conservative, as the
+            ledger counts gradients), and the runs of other trinity pairs that the step ledger
+            does not count (their kept saved activations and inputs, under their plans).
+        held_unplanned_bytes: the same with the other pairs' saved activations all kept.
+    """
+
+    runs: int = 1
+    held_bytes: int = 0
+    held_unplanned_bytes: int = 0
+
+    def __post_init__(self):
+        if self.runs < 1:
+            raise ValueError(f"StepReuse.runs must be >= 1, got {self.runs}")
+        for name in ("held_bytes", "held_unplanned_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"StepReuse.{name} must be >= 0, got {getattr(self, name)}")
+
+    def merged(self, other: StepReuse | None) -> StepReuse:
+        """The larger of each figure (what either measured step showed)."""
+        if other is None:
+            return self
+        return StepReuse(
+            max(self.runs, other.runs),
+            max(self.held_bytes, other.held_bytes),
+            max(self.held_unplanned_bytes, other.held_unplanned_bytes),
+        )
+
+    def exceeds(self, other: StepReuse | None, slack_bytes: int = 0) -> bool:
+        """Whether this holds more than ``other`` (``None``: one run, nothing held) by more than
+        ``slack_bytes``."""
+        other = other or StepReuse()
+        return self.runs > other.runs or self.held_bytes > other.held_bytes + slack_bytes
 
 
 @dataclass(frozen=True)
@@ -80,11 +146,15 @@ class PairHolding:
         param_bytes: device bytes of the parameters it reads.
         input_bytes: device bytes of its other inputs (held while later pairs run).
         held_bytes: what the step's other pairs and model state held while it runs, as planned
-            against (:meth:`StepLedger.holdings`).
+            against (:meth:`StepLedger.holdings`), and with ``runs`` > 1 what its own earlier runs
+            and the other pairs' runs the first step showed beside it hold (:class:`StepReuse`).
         held_unplanned_bytes: the same with nothing offloaded.
         own_unplanned_peak_bytes / own_planned_peak_bytes: the pair's own peak (its liveness)
             without and with its plan.
         budget_bytes: the step's budget it was planned against (``None``: no limit).
+        runs: the runs of the pair alive at once in one step that its plan covers (the reuse
+            count N of a block graph run by N blocks; 1 until the first step's check measured
+            more, :class:`StepReuse`).
     """
 
     label: str
@@ -97,10 +167,12 @@ class PairHolding:
     own_unplanned_peak_bytes: int
     own_planned_peak_bytes: int
     budget_bytes: int | None
+    runs: int = 1
 
     @property
     def step_peak_bytes(self) -> int:
-        """The step's predicted peak while this pair runs (own planned peak + held)."""
+        """The step's predicted peak while this pair (its last run, with ``runs`` > 1) runs (own
+        planned peak + held)."""
         return self.own_planned_peak_bytes + self.held_bytes
 
     @property
@@ -136,8 +208,14 @@ class StepReport:
             f"{format_bytes(self.predicted_peak_bytes)} (unplanned {format_bytes(self.unplanned_peak_bytes)})"
         ]
         for p in self.pairs:
+            runs = (
+                f" [run {p.runs} times per step: the budget covers the {p.runs} runs, the others' held bytes "
+                f"include {p.runs - 1} earlier runs']"
+                if p.runs > 1
+                else ""
+            )
             lines.append(
-                f"  {p.label}: own peak {format_bytes(p.own_planned_peak_bytes)} "
+                f"  {p.label}{runs}: own peak {format_bytes(p.own_planned_peak_bytes)} "
                 f"(unplanned {format_bytes(p.own_unplanned_peak_bytes)}), keeps "
                 f"{format_bytes(p.kept_bytes)} of saved activations for its backward and "
                 f"{format_bytes(p.input_bytes)} of inputs, reads "
@@ -166,6 +244,11 @@ class StepLedger:
 
     def belongs_to(self, root: torch.nn.Module) -> bool:
         return self._root() is root
+
+    @property
+    def root(self) -> torch.nn.Module | None:
+        """The module whose parameters the step reads (``None`` once it is gone)."""
+        return self._root()
 
     def __reduce__(self):
         # A copied or pickled module (``copy.deepcopy``, ``torch.save``) gets an empty ledger
@@ -217,16 +300,36 @@ class StepLedger:
             earlier.append(e)
         params, grads = self._model_state_bytes(own_params, offload)
         base = params + grads + self._bucket_bytes()
-        inputs = sum(e.input_bytes for e in earlier)
+        # An earlier pair run N times per step (a reused block graph) holds N runs' worth.
+        inputs = sum(e.input_bytes * e.runs for e in earlier)
         return (
-            base + inputs + sum(e.kept_bytes for e in earlier),
-            base + inputs + sum(e.kept_unplanned_bytes for e in earlier),
+            base + inputs + sum(e.kept_bytes * e.runs for e in earlier),
+            base + inputs + sum(e.kept_unplanned_bytes * e.runs for e in earlier),
             max((e.step_unplanned_peak_bytes for e in earlier), default=0),
         )
 
     def record(self, key: Any, holding: PairHolding) -> None:
         """Enter (or replace, keeping its place) pair ``key``'s holding."""
         self._entries[key] = holding
+
+    def counts(self, key: Any, holding: PairHolding | None, before: Any) -> bool:
+        """Whether the holdings of pair ``before`` count pair ``key``'s ``holding``: it is the
+        entry recorded for ``key`` now (not replaced by a recompile of its frame) and ``key``
+        comes before ``before``."""
+        if holding is None or self._entries.get(key) is not holding:
+            return False
+        for k in self._entries:
+            if k == before:
+                return False
+            if k == key:
+                return True
+        return False
+
+    def counted_parameters(self, own: set[int]) -> set[int]:
+        """Ids of the parameters whose bytes (and gradients) the holdings of a pair reading
+        ``own`` (parameter ids) count."""
+        root = self._root()
+        return set() if root is None else {id(p) for p in root.parameters() if id(p) not in own}
 
     def report(self) -> StepReport:
         entries = self.entries
@@ -298,6 +401,7 @@ class StepPair:
             own_unplanned_peak_bytes=live.peak_bytes,
             own_planned_peak_bytes=own_planned,
             budget_bytes=plan.step_budget_bytes,
+            runs=plan.model_state.reuse_count,
         )
         self.ledger.record(self.key, holding)
         return holding
@@ -312,17 +416,9 @@ def input_bytes(live) -> int:
 
 def kept_saved_bytes(live, evicted: set[int]) -> int:
     """Device bytes of saved activations alive across the forward/backward boundary of ``live``
-    (a :class:`~offload_compiler.passes.liveness.Liveness`), leaving out buffer ids ``evicted``."""
-    from .passes.liveness import BufferKind
-
-    boundary = live.num_fw_steps - 1
-    total = 0
-    for b in live.buffers:
-        if not b.on_device or b.fused or b.kind != BufferKind.SAVED or b.id in evicted:
-            continue
-        if any(first <= boundary < last for first, last in b.intervals()):
-            total += b.size_bytes
-    return total
+    (a :class:`~offload_compiler.passes.liveness.Liveness`), leaving out buffer ids ``evicted``
+    (:attr:`~offload_compiler.passes.liveness.Liveness.boundary_saved`)."""
+    return sum(size for bid, size in live.boundary_saved.items() if bid not in evicted)
 
 
 def _ddp_split_position() -> tuple[int, int] | None:
@@ -348,12 +444,11 @@ def _ddp_split_position() -> tuple[int, int] | None:
 def join_step(gm, example_inputs, engine) -> StepPair | None:
     """The :class:`StepPair` of the pair being compiled from ``gm`` (a Dynamo graph), or
     ``None`` when it is not part of a model's step (no module owns its parameters, or it is
-    compiled outside Dynamo) or runs under FSDP2 (a block graph run several times per step,
-    not covered: module docstring)."""
+    compiled outside Dynamo). Under FSDP2 (per-block compile) the ledger is the block's: the
+    block graph's runs by the other blocks are measured by the runtime check (module
+    docstring)."""
     from .param_offload import owning_roots, real_parameters
 
-    if engine.kind == "fsdp2":
-        return None
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -384,9 +479,29 @@ def join_step(gm, example_inputs, engine) -> StepPair | None:
 
 def step_report(module: torch.nn.Module) -> StepReport | None:
     """The training step's :class:`StepReport` for ``module`` (the model given to
-    ``torch.compile``, or its DDP wrapper), or ``None`` before any of its pairs compiled."""
+    ``torch.compile``, or its DDP wrapper), or ``None`` before any of its pairs compiled.
+
+    For a model whose blocks were compiled one by one (``block.compile()``, FSDP2's per-block
+    compile) the ledgers are the blocks' (where each pair compiled): the report gathers those of
+    ``module``'s submodules, in module order, with each pair's held bytes as planned (a reused
+    block graph's include its earlier runs and the other blocks' pairs that its first step showed
+    beside it)."""
     for m in (module, getattr(module, "module", None), getattr(module, "_orig_mod", None)):
         ledger = getattr(m, LEDGER_ATTR, None) if m is not None else None
         if isinstance(ledger, StepLedger):
             return ledger.report()
-    return None
+    ledgers = []
+    for m in module.modules():
+        ledger = getattr(m, LEDGER_ATTR, None)
+        if isinstance(ledger, StepLedger) and ledger.belongs_to(m) and ledger.entries and ledger not in ledgers:
+            ledgers.append(ledger)
+    if not ledgers:
+        return None
+    reports = [ledger.report() for ledger in ledgers]
+    budgets = [r.budget_bytes for r in reports]
+    return StepReport(
+        budget_bytes=None if None in budgets else max(budgets),
+        predicted_peak_bytes=max(r.predicted_peak_bytes for r in reports),
+        unplanned_peak_bytes=max(r.unplanned_peak_bytes for r in reports),
+        pairs=tuple(p for r in reports for p in r.pairs),
+    )
