@@ -7,6 +7,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Test processes (pytest-xdist): each test file runs on one worker, the model zoo's architectures
+# side by side. TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 .PHONY: demo test bench lint clean
@@ -26,7 +29,7 @@ demo: $(VENV)/.installed
 	$(PY) -m offload_compiler demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 bench: $(VENV)/.installed
 	$(PY) -m bench

@@ -196,8 +196,7 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
     # is planned for one run at its compile; the runtime check counts its runs in the first step
     # and plans it again for them (step_check.py, step_budget.py).
     session.step = step if step is not None else join_step(gm, example_inputs, engine)
-    root = session.step.ledger.root if session.step is not None else None
-    session.may_be_reused = engine.kind == "fsdp2" or getattr(root, "_compiled_call_impl", None) is not None
+    session.may_be_reused = engine.kind == "fsdp2" or (session.step is not None and session.step.compiled_alone)
     partitioner = TrinityPartitioner(session)
     if opts.offload != "activations":
         if opts.inner != "eager":
@@ -282,4 +281,8 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
     holder._trinity_runtime = runtime
     holder._trinity_session = session
     holder._trinity_param_slots = tuple(session.param_slots.values())
+    if session.param_slots and opts.offload == "all":
+        from .param_offload import release_planned
+
+        release_planned(session.param_slots, session.residency_plans)  # host-resident before the first step
     return compiled

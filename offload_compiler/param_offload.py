@@ -9,6 +9,8 @@ residency rewrite, and the inference graph's.
   ``load_state_dict()`` and eager forwards work or fail clearly between steps.
 * the training pair's residency is planned in :func:`offload_compiler.pipeline.plan_pair` and
   applied by the compile session (:mod:`.passes.param_residency`).
+* :func:`release_planned` (end of the compile, ``offload="all"``): the parameters the compiled
+  graphs fetch leave the device before the first step, as they do between steps.
 * :func:`rewrite_inference`: the same on a forward-only graph (``torch.no_grad()`` steps): fetch
   before first use; with ``"all"`` release after last use. It is planned by the same
   :func:`~offload_compiler.pipeline.plan_pair` (and budget) as the training pair.
@@ -30,7 +32,7 @@ from .runtime import param_ops as _param_ops  # noqa: F401  (registers trinity::
 from .runtime.model_state import ON_DEVICE_ATTR, ParamSlot, ensure_slot, install_module_hooks, slot_of
 from .runtime.pool import HostPool
 
-__all__ = ["HostMemoryError", "make_slots", "owning_roots", "real_parameters", "rewrite_inference"]
+__all__ = ["HostMemoryError", "make_slots", "owning_roots", "real_parameters", "release_planned", "rewrite_inference"]
 
 
 class HostMemoryError(ValueError):
@@ -175,6 +177,29 @@ def make_slots(
         slots[i] = slot
     _hook_owners(gm, slots)
     return slots
+
+
+def release_planned(slots: dict[int, ParamSlot], plans: Sequence[param_residency.ResidencyPlan]) -> int:
+    """Free the device storage of the ``offload="all"`` parameters that ``plans`` fetch; returns
+    the bytes freed.
+
+    With ``"all"`` a parameter lives in host memory between steps, and the plan counts it on the
+    device only from its fetch inside the step. A parameter still on the device when its graph is
+    compiled (the model was built or loaded there; Dynamo compiles inside the first call) would
+    stay there until the first step's release of it: that step would hold it from its start,
+    above the plan and possibly the budget. Its master copy is current (copied from the device
+    when the slot was made; ``materialized`` and ``load_state_dict`` write back), so it is freed
+    without a write-back. Parameters no plan fetches (a parameter that is a user output of the
+    forward stays resident), ``"activations+params"`` slots (resident between steps) and slots
+    already released are left alone.
+    """
+    fetched = {p.slot for plan in plans if plan.mode == "all" for p in plan.params}
+    freed = 0
+    for slot in {s.id: s for s in slots.values()}.values():
+        if slot.id in fetched and slot.resident and not slot.keep_resident:
+            freed += slot.nbytes
+            slot.release(write_back=False)
+    return freed
 
 
 def rewrite_inference(

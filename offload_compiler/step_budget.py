@@ -53,11 +53,17 @@ warns.
 
 **Where the ledger lives**: on the DDP module under DDP, else on the outermost module that owns
 the pair's parameters (the compiled model; after a graph break, the resumed frame's ``self``; for
-a per-block compile, the block whose call compiled the pair). Pairs are identified by the frame's
-code object and their split index, so a recompile of a frame (another input shape) replaces that
-pair's entry. A pair whose parameters no module owns (a function of tensors) is planned alone,
-as before. :func:`step_report` of a model whose blocks were compiled one by one gathers the
-blocks' ledgers.
+a per-block compile, the block whose call compiled the pair), or, when a module running further
+up the Python stack contains that one (a graph break inside a nested call makes Dynamo compile the
+inner module's frame on its own: Hugging Face's ``LlamaModel`` inside ``LlamaForCausalLM``; a
+block compiled on its own, called by its model), the outermost such module; the ledger is then
+also set on the inner module, so both sides of the break share it. Pairs are identified by the
+frame's code object and their split index, so a recompile of a frame (another input shape)
+replaces that pair's entry, unless the entry's pair has a run alive among the new pair's inputs'
+autograd ancestors (the first block's own graph, whose input needs no gradient, and the graph
+the other blocks run: both are one step). A pair whose parameters no module owns (a function of
+tensors) is planned alone, as before. :func:`step_report` of a model whose blocks were compiled
+one by one and run outside any module gathers the blocks' ledgers.
 
 **What it does not cover** (see README "Distributed"): memory outside the compiled graphs (eager
 code between them, the optimizer's state, FSDP2's all-gather and reduce-scatter buffers and
@@ -225,7 +231,17 @@ class StepReport:
         return "\n".join(lines)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's sharded parameters), else ``t``. Read as the attribute,
+    not ``to_local()``: that dispatches an op, which the compile's fake mode refuses on a real
+    tensor."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def _nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` on its rank (a DTensor's local shard)."""
+    t = _local(t)
     return t.numel() * t.element_size()
 
 
@@ -245,11 +261,6 @@ class StepLedger:
     def belongs_to(self, root: torch.nn.Module) -> bool:
         return self._root() is root
 
-    @property
-    def root(self) -> torch.nn.Module | None:
-        """The module whose parameters the step reads (``None`` once it is gone)."""
-        return self._root()
-
     def __reduce__(self):
         # A copied or pickled module (``copy.deepcopy``, ``torch.save``) gets an empty ledger
         # that belongs to no module: its first compile starts a new one.
@@ -259,9 +270,10 @@ class StepLedger:
     def entries(self) -> tuple[PairHolding, ...]:
         return tuple(self._entries.values())
 
-    def _model_state_bytes(self, own: set[int], offload: str) -> tuple[int, int]:
+    def _model_state_bytes(self, own: set[int], offload: str, device: torch.device | None = None) -> tuple[int, int]:
         """(parameters, gradients) of the model held on the device outside a pair reading ``own``
-        (parameter ids)."""
+        (parameter ids): a DTensor's local shard (FSDP2), and, with ``device``, only parameters
+        there (not FSDP2's ``CPUOffloadPolicy`` host copies on a GPU run)."""
         from .runtime.model_state import SLOT_ATTR
 
         root = self._root()
@@ -273,6 +285,8 @@ class StepLedger:
             if id(p) in seen or id(p) in own:
                 continue
             seen.add(id(p))
+            if device is not None and _local(p).device != device:
+                continue
             slotted = getattr(p, SLOT_ATTR, None) is not None
             if not slotted:
                 params += _nbytes(p)
@@ -287,7 +301,9 @@ class StepLedger:
         ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
         return sum(_nbytes(p) for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored)
 
-    def holdings(self, key: Any, own_params: set[int], offload: str) -> tuple[int, int, int]:
+    def holdings(
+        self, key: Any, own_params: set[int], offload: str, device: torch.device | None = None
+    ) -> tuple[int, int, int]:
         """What the step holds on the device outside pair ``key`` while it runs, in bytes:
         ``(planned, unplanned, step unplanned peak so far)``. ``planned`` counts the earlier
         pairs' kept saved activations under their plans, ``unplanned`` all their saved
@@ -298,7 +314,7 @@ class StepLedger:
             if k == key:
                 break
             earlier.append(e)
-        params, grads = self._model_state_bytes(own_params, offload)
+        params, grads = self._model_state_bytes(own_params, offload, device)
         base = params + grads + self._bucket_bytes()
         # An earlier pair run N times per step (a reused block graph) holds N runs' worth.
         inputs = sum(e.input_bytes * e.runs for e in earlier)
@@ -325,11 +341,12 @@ class StepLedger:
                 return True
         return False
 
-    def counted_parameters(self, own: set[int]) -> set[int]:
-        """Ids of the parameters whose bytes (and gradients) the holdings of a pair reading
-        ``own`` (parameter ids) count."""
+    def parameter_ids(self) -> set[int]:
+        """Ids of the model's parameters. The holdings of a pair count every one of them outside
+        the pair (:meth:`holdings`); a run of a reused block graph reads other blocks' parameters
+        than the compile's, of the same bytes, so all of them are counted for any run."""
         root = self._root()
-        return set() if root is None else {id(p) for p in root.parameters() if id(p) not in own}
+        return set() if root is None else {id(p) for p in root.parameters()}
 
     def report(self) -> StepReport:
         entries = self.entries
@@ -363,6 +380,8 @@ class StepPair:
         split: ``(index, count)`` of a DDP split, else ``None``.
         graph_break: Dynamo compiles the frame's graph because of a graph break: more pairs of
             the step follow (the code after the break).
+        compiled_alone: the module owning its parameters was compiled on its own
+            (``module.compile()``: a block that identical blocks may run the graph of).
     """
 
     ledger: StepLedger
@@ -371,6 +390,7 @@ class StepPair:
     params: dict[int, torch.nn.Parameter]
     split: tuple[int, int] | None = None
     graph_break: bool = False
+    compiled_alone: bool = False
 
     @property
     def more_coming(self) -> bool:
@@ -379,7 +399,8 @@ class StepPair:
         return self.graph_break or (self.split is not None and self.split[0] < self.split[1] - 1)
 
     def holdings(self, offload: str) -> tuple[int, int, int]:
-        return self.ledger.holdings(self.key, set(self.params), offload)
+        device = next((_local(p).device for p in self.params.values()), None)
+        return self.ledger.holdings(self.key, set(self.params), offload, device)
 
     def record(self, plan, held: tuple[int, int, int]) -> PairHolding:
         """Record ``plan`` (a :class:`~offload_compiler.pipeline.PairPlan`, after the rewrites)
@@ -441,6 +462,31 @@ def _ddp_split_position() -> tuple[int, int] | None:
     return None
 
 
+def _enclosing_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The outermost ``nn.Module`` running on the Python stack (a frame's ``self``) that contains
+    ``module`` among its submodules, else ``module`` itself.
+
+    Dynamo compiles the frame of a module called from a frame it could not compile whole (a graph
+    break inside a nested call): the caller, running eagerly, is on the stack, and the pairs on
+    both sides of the break belong to its step. ``torch.compile``'s ``OptimizedModule`` wrapper is
+    skipped (its ``_orig_mod`` is the model itself)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    best = module
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if (
+            isinstance(owner, torch.nn.Module)
+            and owner is not best
+            and not isinstance(owner, OptimizedModule)
+            and any(m is best for m in owner.modules())
+        ):
+            best = owner
+        frame = frame.f_back
+    return best
+
+
 def join_step(gm, example_inputs, engine) -> StepPair | None:
     """The :class:`StepPair` of the pair being compiled from ``gm`` (a Dynamo graph), or
     ``None`` when it is not part of a model's step (no module owns its parameters, or it is
@@ -466,15 +512,41 @@ def join_step(gm, example_inputs, engine) -> StepPair | None:
         roots = owning_roots(gm, sorted(params))
         if not roots:
             return None
-        root = holder = roots[0]
+        root = holder = _enclosing_module(roots[0])
     ledger = getattr(holder, LEDGER_ATTR, None)
     if not isinstance(ledger, StepLedger) or not ledger.belongs_to(root):
         ledger = StepLedger(root, ddp)
         setattr(holder, LEDGER_ATTR, ledger)
+    if ddp is None and roots[0] is not holder:
+        setattr(roots[0], LEDGER_ATTR, ledger)  # step_report() of the inner module finds the step
     split = _ddp_split_position() if ddp is not None else None
     index = split[0] if split is not None else 0
     label = code.co_name + (f" (DDP split {index} of {split[1]})" if split is not None else "")
-    return StepPair(ledger, (code, index), label, {id(p): p for p in params.values()}, split, graph_break)
+    key = (code, index)
+    if ddp is None:
+        # Another graph of the same frame whose run is alive among this one's inputs' ancestors
+        # is the same step's (the first block's own graph): a second entry, not a replacement.
+        alive = _alive_keys(example_inputs, ledger)
+        k = 1
+        while key in alive:
+            key = (code, index, k)
+            k += 1
+        if k > 1:
+            label += f" (graph {k} of the frame)"
+    alone = ddp is None and getattr(roots[0], "_compiled_call_impl", None) is not None
+    return StepPair(ledger, key, label, {id(p): p for p in params.values()}, split, graph_break, alone)
+
+
+def _alive_keys(example_inputs, ledger: StepLedger) -> set:
+    """Ledger keys of the pairs of ``ledger`` with a run alive (forward run, backward not yet)
+    among the autograd ancestors of ``example_inputs`` (the real inputs Dynamo compiles with)."""
+    from .step_check import runs_before
+
+    try:
+        runs = runs_before(example_inputs)
+    except Exception:  # noqa: BLE001  (fake inputs, or a graph that cannot be walked: none known)
+        return set()
+    return {r.session.step.key for r in runs if r.session.step is not None and r.session.step.ledger is ledger}
 
 
 def step_report(module: torch.nn.Module) -> StepReport | None:

@@ -16,10 +16,15 @@ bracketed by autograd hooks on that node) each run once under ``torch.profiler``
 address and size (the CPU allocator and CUDA's caching allocator alike, so Inductor's own buffers
 are seen too), and every dispatcher op call with its input shapes. From that:
 
-* the **measured peak**: the pair's parameters and inputs (as the plan counts them) plus the
-  largest sum of bytes that the forward and backward allocated and had not yet freed, host-pool
-  blocks left out (they are host memory); what runs between the two calls (the user's code,
-  other graphs) is not counted;
+* the **measured peak**: the device storages of the pair's inputs (parameters, the step's
+  inputs) when the forward starts, until the step frees them, plus the largest sum of bytes that
+  the forward and backward allocated and had not yet freed, host-pool blocks left out (they are
+  host memory); what runs between the two calls (the user's code, other graphs) is not counted.
+  The trace does not see those storages allocated, and the CPU allocator then reports no free of
+  them either: a parameter that ``offload="activations+params"`` releases after its last forward
+  reader (and fetches back, an allocation the trace sees, for the backward) stops counting at its
+  ``trinity::param_release`` call, whose argument's storage the profiler records
+  (:func:`~offload_compiler.runtime.accounting.param_release_call`);
 * per op call, its **workspace**: the most it had allocated at once inside the call less what
   it still held at its end (the ``(peak - end)`` of ``bench/workspace_probe.py``), plus what it
   held at its end beyond the outputs the plan gives its node (an output larger than modelled).
@@ -101,6 +106,7 @@ import numpy as np
 import torch
 
 from .passes.margins import OpKey, WorkspaceMargins, op_key
+from .runtime.accounting import ResidentStorages, param_release_call, resident_storages
 from .runtime.pool import live_pool_blocks
 
 __all__ = ["PlannedSteps", "StepMeasurement", "CheckedCompile", "MAX_REPLANS", "measure_step_enabled"]
@@ -133,7 +139,8 @@ class PlannedSteps:
         workspace_bytes: the op workspace the plan counted at each step (table and margins).
         table_workspace_bytes: the workspace the table alone gives each step.
         defined_bytes: device bytes of the buffers each step allocates (its outputs, as planned).
-        resident_bytes: the pair's parameters and inputs on the device (bytes).
+        resident_bytes: the pair's parameters and inputs on the device when the step starts, as
+            the plan counts them (bytes; a measurement counts the storages it finds instead).
         peak_bytes: the planned peak (bytes).
         device: the compute device (``"cpu"``, ``"cuda:0"``).
     """
@@ -250,6 +257,11 @@ class _Trace:
         self.device = device
         self.op_names = op_names
         self.allocations: list[tuple[int, int, int]] = []  # (time ns, ptr, bytes; < 0: free)
+        # Device storages of the pair's inputs when its forward starts (ptr -> bytes; None: as the
+        # plan counts them, PlannedSteps.resident_bytes), and the trinity::param_release calls
+        # (time ns, ptr) that may free them (analyze).
+        self.resident: dict[int, int] | None = None
+        self.releases: list[tuple[int, int]] = []
         self.ops: list[tuple[OpKey, int, int]] = []  # (measured key, transient bytes, bytes held at its end)
         self.phases: list[str] = []
         self.valid = True
@@ -304,6 +316,9 @@ class _Trace:
             if a is not None:
                 self.allocations.append(a)
                 continue
+            release = param_release_call(node)
+            if release is not None:
+                self.releases.append(release)
             if node.tag == _EventType.TorchOp and node.name in self.op_names:
                 inner = sorted(a for a in (alloc_of(m) for m in _walk(node.children)) if a is not None)
                 self.allocations.extend(inner)
@@ -319,22 +334,40 @@ class _Trace:
 
 
 def analyze(trace: _Trace, planned: PlannedSteps) -> StepMeasurement:
-    """The :class:`StepMeasurement` of a finished ``trace`` against the ``planned`` accounting."""
+    """The :class:`StepMeasurement` of a finished ``trace`` against the ``planned`` accounting.
+
+    The measured peak is the bytes of ``trace.resident`` (``planned.resident_bytes`` where it is
+    ``None``), less those of its storages freed so far (a ``trinity::param_release`` call on one,
+    or a free the allocator reports of one), plus the largest sum of the trace's allocations
+    alive at once."""
     live: dict[int, int] = {}
+    resident = ResidentStorages(trace.resident or {})
     current = peak = 0
-    for _, ptr, size in sorted(trace.allocations):
-        if size > 0:
-            old = live.pop(ptr, None)  # an address handed out again: its earlier free was not seen
-            if old is not None:
-                current -= old
-            live[ptr] = size
-            current += size
-            peak = max(peak, current)
-        else:
-            freed = live.pop(ptr, None)
+    # At one time, a release call (kind 0) sorts before an allocator event (kind 1).
+    events = sorted(
+        [(t, 1, ptr, size) for t, ptr, size in trace.allocations] + [(t, 0, ptr, None) for t, ptr in trace.releases]
+    )
+    for _, _, ptr, size in events:
+        if size is None or size < 0:
+            freed = live.pop(ptr, None) if size is not None else None
             if freed is not None:
                 current -= freed
-    measured = planned.resident_bytes + peak
+            elif ptr not in live:
+                # A storage that was resident when the forward started (in ``base``):
+                # ``offload="activations+params"`` releases parameters after their last forward
+                # reader and fetches them back (an allocation the trace sees) for the backward.
+                # The CPU allocator does not report the free of a block allocated before the trace,
+                # so the release call says it; CUDA's reports it too (counted once).
+                current -= resident.free(ptr)
+            continue
+        old = live.pop(ptr, None)  # an address handed out again: its earlier free was not seen
+        if old is not None:
+            current -= old
+        live[ptr] = size
+        current += size
+        peak = max(peak, current)
+    base = planned.resident_bytes if trace.resident is None else sum(trace.resident.values())
+    measured = base + peak
     transient: dict[OpKey, int] = {}
     held: dict[OpKey, int] = {}
     for key, t, h in trace.ops:
@@ -372,6 +405,18 @@ def analyze(trace: _Trace, planned: PlannedSteps) -> StepMeasurement:
         num_ops=len(trace.ops),
         method=f"{trace.device.type}-allocator-trace",
     )
+
+
+def _flat_tensors(args) -> list[torch.Tensor]:
+    """The tensors among a compiled call's arguments (a boxed call passes one list)."""
+    out, stack = [], [args]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            stack.extend(a)
+    return out
 
 
 def _backward_node(out) -> Any:
@@ -416,7 +461,7 @@ class _Run:
         self.ended = False
 
 
-def _runs_before(args) -> list[_Run]:
+def runs_before(args) -> list[_Run]:
     """The runs of checked pairs among the autograd ancestors of ``args`` whose backward has not
     run: the pairs whose outputs this call reads, directly or through other code (earlier blocks,
     earlier DDP splits, the graph before a graph break), in the same step."""
@@ -452,8 +497,8 @@ def observe_reuse(session, earlier: list[_Run], others: list[_Run], params: tupl
     forward, count as runs (their inputs as held bytes); ``others``, other pairs' runs alive that
     its step ledger does not count, add their kept saved activations and inputs (under their
     plans); the parameters the other runs read that are still allocated (not the ones this run
-    reads nor the ones the ledger counts) add their storage bytes, twice where they require a
-    gradient (the gradient, counted conservatively as the ledger does)."""
+    reads nor the model's, which the ledger counts) add their storage bytes, twice where they
+    require a gradient (the gradient, counted conservatively as the ledger does)."""
     from .step_budget import StepReuse
 
     step = session.step
@@ -466,7 +511,7 @@ def observe_reuse(session, earlier: list[_Run], others: list[_Run], params: tupl
         kept, kept_unplanned, inputs = r.session.run_bytes
         held += kept + inputs
         held_unplanned += kept_unplanned + inputs
-    skip = step.ledger.counted_parameters(set(step.params)) if step is not None else set()
+    skip = step.ledger.parameter_ids() if step is not None else set()
     seen = set()
     for t in params:
         try:
@@ -602,7 +647,7 @@ class CheckedCompile:
         before = None
         if window:
             try:
-                before = _runs_before(args)
+                before = runs_before(args)
             except Exception:  # noqa: BLE001  (the check must never break a step)
                 before = None
         try:
@@ -663,6 +708,7 @@ class CheckedCompile:
         names = frozenset(op for op in planned.ops if op)
         trace = _Trace(torch.device(planned.device), names)
         try:
+            trace.resident = resident_storages(_flat_tensors(args), planned.device)
             trace.start("forward")
         except Exception as exc:  # the check must never break a step
             self._give_up(trace, exc)

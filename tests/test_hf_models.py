@@ -150,6 +150,13 @@ FEASIBLE = {"llama_checkpointed": "97%"}
 # is a defect), and the report must say that the lowest reachable peak is the unplanned one.
 NOTHING_HELPS = {("llama_checkpointed", "inductor")}
 BUDGETS = ("feasible", "50%")
+# Measured above the plan, cause not found yet (a known defect, not a tolerance): ViT under Inductor
+# measures 578.75 KiB in its first step against 492.75 KiB planned at 75% (88,064 bytes that no
+# op's measured workspace explains), and 537,992 bytes at a later step against 426,020 predicted at
+# 50%. The check used to compare with the sum of the pairs' budgets, which counted ViT's recompiled
+# frame twice and hid it. Every other assertion of these cases holds; the measured-peak one is an
+# expected failure, and an error once it passes (remove the entry then).
+MEASURED_OVER_PLAN = {("vit", "inductor")}
 
 
 def _build(arch: str):
@@ -257,10 +264,11 @@ def _error(losses, grads, ref_losses, ref_grads) -> tuple[float, float]:
     return loss_err, grad_err
 
 
-def _check_memory(model, compiled, batch, reports, budget: str, helps: bool = True) -> None:
+def _check_memory(model, compiled, batch, reports, budget: str, helps: bool = True, known_over: bool = False) -> None:
     """Something evicted; each graph pair's plan within its budget where the budget is reachable
     (at the "feasible" budget the pair of the model's body always is) and at its lowest reachable peak where not;
-    the measured peak of a step within the sum of the pairs' budgets (or lowest peaks).
+    the measured peak of a step within the step's budget (its pairs share one: ``step_report``), or
+    within its predicted peak where the pairs' lowest-peak plans are above it.
 
     ``helps=False`` (the cases of :data:`NOTHING_HELPS`): instead, nothing is evicted and every
     pair's lowest reachable peak is its unplanned peak."""
@@ -270,8 +278,13 @@ def _check_memory(model, compiled, batch, reports, budget: str, helps: bool = Tr
     else:
         assert all(r.num_evicted == 0 for r in reports), "a copy that buys nothing:\n" + summaries
         assert all(r.lowest_reachable_peak_bytes == r.peak_bytes_unplanned for r in reports), summaries
+    ledger = offload_compiler.step_report(model)
+    assert ledger is not None and ledger.budget_bytes is not None, "no step ledger for the model"
+    # The budget binds the step (its pairs share it); a pair off the step's peak (the loss after a
+    # graph break) can fit it without a plan.
+    assert ledger.budget_bytes < ledger.unplanned_peak_bytes, ledger.summary()
     for r in reports:
-        assert r.budget_bytes is not None and r.budget_bytes < r.peak_bytes_unplanned
+        assert r.budget_bytes is not None
         assert r.feasible == (r.lowest_reachable_peak_bytes <= r.budget_bytes), r.summary()
         if r.feasible:
             assert r.peak_bytes_planned <= r.budget_bytes
@@ -289,14 +302,31 @@ def _check_memory(model, compiled, batch, reports, budget: str, helps: bool = Tr
     m = measure_peak_device_bytes(step, resident=resident, device="cpu")
     model.zero_grad(set_to_none=True)
     assert _count_graphs() == graphs, "the measured step compiled again: it is not the trained model's step"
-    limit = sum(r.budget_bytes if r.feasible else r.peak_bytes_planned for r in reports)
-    assert m.peak_bytes <= limit + PEAK_SLACK_BYTES, f"measured peak {m.peak_bytes} exceeds {limit}\n" + (
-        "\n".join(r.summary() for r in reports)
+    # The step's budget (its pairs share it: step_budget.py), or its predicted peak where the pairs'
+    # lowest-peak plans are above it. Not the sum of the pairs' budgets: a pair that does not run
+    # in the measured step (ViT recompiles its frame at the second step, as Hugging Face sets
+    # ``config.problem_type`` in the first forward) is no longer in the ledger, and the pairs that
+    # run share the parameters.
+    limit = ledger.budget_bytes if ledger.within_budget else ledger.predicted_peak_bytes
+    if budget == "feasible" and helps:
+        assert ledger.within_budget, ledger.summary()
+    over = m.peak_bytes > limit + PEAK_SLACK_BYTES
+    if known_over:
+        assert over, f"measured peak {m.peak_bytes} now within {limit}: remove the case from MEASURED_OVER_PLAN"
+        pytest.xfail(f"known defect (MEASURED_OVER_PLAN): measured peak {m.peak_bytes} exceeds {limit}")
+    assert not over, f"measured peak {m.peak_bytes} exceeds {limit}\n" + (
+        ledger.summary() + "\n" + "\n".join(r.summary() for r in reports)
     )
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-@pytest.mark.parametrize("arch, inner", [(a, i) for a in ARCHS for i in ("eager", "inductor")])
+# One xdist group per architecture: its cases share the float64 reference and the plain runs
+# (cached per process), so ``pytest -n 2 --dist loadgroup`` (``make test``) runs each architecture
+# on one worker and the architectures side by side.
+@pytest.mark.parametrize(
+    "arch, inner",
+    [pytest.param(a, i, marks=pytest.mark.xdist_group(f"hf-{a}")) for a in ARCHS for i in ("eager", "inductor")],
+)
 def test_hf_model_trains_like_its_reference(arch, inner, budget):
     start, ref_losses, ref_grads = _reference(arch)
     plain = "aot_eager" if inner == "eager" else "inductor"
@@ -327,4 +357,12 @@ def test_hf_model_trains_like_its_reference(arch, inner, budget):
         )
         assert grad_err <= 1.1 * ind_grad_err + 1e-6, (grad_err, ind_grad_err)
         assert loss_err <= 1.1 * ind_loss_err + 1e-6, (loss_err, ind_loss_err)
-    _check_memory(run.model, run.compiled, run.batch, reports, budget, helps=(arch, inner) not in NOTHING_HELPS)
+    _check_memory(
+        run.model,
+        run.compiled,
+        run.batch,
+        reports,
+        budget,
+        helps=(arch, inner) not in NOTHING_HELPS,
+        known_over=(arch, inner) in MEASURED_OVER_PLAN,
+    )

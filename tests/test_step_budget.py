@@ -302,3 +302,54 @@ def test_first_block_graph_and_the_reused_one_share_the_budget():
     report = step_report(model)
     assert len(report.pairs) == 2 and report.within_budget
     assert m.peak_bytes <= 15_000_000 + PEAK_SLACK_BYTES, report.summary()
+
+
+class _Inner(nn.Module):
+    """Two layers with a graph break between them, inside the module that calls it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        self.b = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inner(x))).square().mean()
+
+
+def test_graph_break_in_a_nested_module_joins_the_callers_step():
+    """A graph break inside a nested call makes Dynamo compile the inner module's frames on their
+    own (each pair's parameters belong to ``inner``) and the caller's resumed frame (``head``): all
+    are one step, on one ledger, which ``step_report`` of either module returns."""
+    torch.manual_seed(0)
+    model = _Outer()
+    x = torch.randn(512, 64)
+    opts = {"inner": "eager", "memory_budget": "85%", "min_offload_bytes": 0, "on_infeasible": "error"}
+    compiled = torch.compile(model, backend="trinity", options=opts)
+    for _ in range(2):
+        compiled(x).backward()
+        model.zero_grad(set_to_none=True)
+    report = step_report(model)
+    assert report is not None
+    assert step_report(model.inner) is not None and step_report(model.inner).pairs == report.pairs
+    labels = [p.label for p in report.pairs]
+    # inner's two pieces and the caller's resumed frame (the graph ending at the call compiles nothing)
+    assert len(report.pairs) == 3, labels
+    total = nbytes(model.parameters())
+    # Each pair sees the parameters and gradients of the whole model outside its own.
+    for p in report.pairs:
+        assert p.held_bytes >= 2 * (total - p.param_bytes), report.summary()
+    m = measure_peak_device_bytes(lambda: compiled(x).backward(), resident=list(model.parameters()) + [x], device="cpu")
+    assert report.within_budget, report.summary()
+    assert m.peak_bytes <= report.budget_bytes + PEAK_SLACK_BYTES, report.summary()

@@ -9,6 +9,15 @@ allocator reports each one with its address, so Inductor's own buffers are seen 
 tensors that pass through the dispatcher) and replays them in time order. Blocks owned by a trinity
 host pool are host memory and are left out, so an evicted activation really disappears from the
 "device" count once its device storage is freed.
+
+Storages alive before the trace (the ``resident`` tensors: parameters, inputs) are counted from
+the start. The CPU allocator reports no free of a block it did not see allocated, so when the
+measured call frees one of them (``offload="activations+params"`` releases every offloaded
+parameter after its last forward reader and fetches it back, a new allocation, for the backward)
+the trace alone would count that parameter twice from its backward fetch on. The free is found
+instead from the ``trinity::param_release`` call that makes it (:func:`param_release_call`: the
+profiler records the data pointer of the storage it is handed), and its bytes stop counting there
+(:class:`ResidentStorages`).
 """
 
 from __future__ import annotations
@@ -20,9 +29,20 @@ from typing import Any
 
 import torch
 
+from ..ir.ops import PARAM_RELEASE
 from .pool import live_pool_blocks
 
-__all__ = ["MemoryMeasurement", "measure_peak_device_bytes", "resident_bytes"]
+__all__ = [
+    "MemoryMeasurement",
+    "ResidentStorages",
+    "measure_peak_device_bytes",
+    "param_release_call",
+    "resident_bytes",
+    "resident_storages",
+]
+
+# The profiler's name of a trinity::param_release call (a TorchOp event).
+_PARAM_RELEASE_NAME = PARAM_RELEASE._schema.name
 
 
 @dataclass(frozen=True)
@@ -30,7 +50,8 @@ class MemoryMeasurement:
     """Result of :func:`measure_peak_device_bytes`.
 
     Attributes:
-        peak_bytes: peak device bytes while the callable ran, including ``resident_bytes``.
+        peak_bytes: peak device bytes while the callable ran, including ``resident_bytes`` (less
+            those of resident storages freed by then).
         resident_bytes: device bytes alive before the call that were declared (CPU) or counted by
             the allocator (CUDA).
         allocated_delta_bytes: device bytes allocated during the call and still alive after it.
@@ -47,15 +68,77 @@ class MemoryMeasurement:
     result: Any = None
 
 
-def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+def resident_storages(tensors: Iterable[Any], device: torch.device | str | None = None) -> dict[int, int]:
+    """The distinct storages behind ``tensors``: data pointer -> bytes (views of one storage count
+    once; a traceable wrapper subclass counts as its inner tensors, ``__tensor_flatten__``;
+    released storages, of 0 bytes, fake tensors and entries that are no tensor are left out). With ``device``,
+    only tensors on that device (``"cpu"`` or ``"cuda:0"``; ``"cuda"`` matches every CUDA
+    device)."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    dev = torch.device(device) if device is not None else None
     seen: dict[int, int] = {}
-    for t in tensors:
-        if t is None or not isinstance(t, torch.Tensor):
+    stack = list(tensors)
+    while stack:
+        t = stack.pop()
+        if not isinstance(t, torch.Tensor) or is_fake(t):  # a fake tensor holds no memory
+            continue
+        if is_traceable_wrapper_subclass(t):
+            stack.extend(getattr(t, name) for name in t.__tensor_flatten__()[0])
+            continue
+        if dev is not None and (t.device.type != dev.type or (dev.index is not None and t.device.index != dev.index)):
             continue
         storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return seen
+
+
+def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    return sum(resident_storages(tensors).values())
+
+
+def param_release_call(node) -> tuple[int, int] | None:
+    """``(start time ns, data pointer of the storage released)`` when ``node``, an event of a
+    ``torch.profiler`` event tree (``kineto_results.experimental_event_tree()``) recorded with
+    ``record_shapes=True``, is a call of ``trinity::param_release``; else ``None``.
+
+    The pointer is the one its first argument's storage had when the call started (the profiler
+    records the inputs at entry), i.e. the storage the call frees, if it was resident."""
+    from torch._C._profiler import _EventType, _TensorMetadata
+
+    if node.tag != _EventType.TorchOp or node.name != _PARAM_RELEASE_NAME:
+        return None
+    inputs = node.extra_fields.inputs
+    if not inputs or not isinstance(inputs[0], _TensorMetadata):
+        return None
+    ptr = inputs[0].storage_data_ptr
+    return (int(node.start_time_ns), int(ptr)) if ptr else None
+
+
+class ResidentStorages:
+    """The storages alive before a trace that are still alive at a point of its replay.
+
+    Args:
+        storages: data pointer -> bytes (:func:`resident_storages`), all counted at the start.
+
+    :meth:`free` is called, in time order, for every free the trace reports of a pointer it did
+    not see allocated (CUDA's allocator reports them; the CPU allocator does not) and for every
+    ``trinity::param_release`` call (:func:`param_release_call`) on such a pointer; it returns the
+    bytes that stop counting there: the storage's the first time, 0 after (the release call and
+    the allocator's free of one storage both arrive on CUDA) and for pointers not in ``storages``.
+    """
+
+    def __init__(self, storages: dict[int, int]):
+        self._live = dict(storages)
+        self.freed_bytes = 0
+
+    def free(self, ptr: int) -> int:
+        n = self._live.pop(ptr, 0)
+        self.freed_bytes += n
+        return n
 
 
 def _walk(nodes):
@@ -78,8 +161,10 @@ def measure_peak_device_bytes(
     Args:
         fn: the callable to measure (e.g. one training step).
         resident: on the CPU, tensors alive before the call whose bytes count as device memory
-            throughout (parameters, gradients, inputs). Ignored on CUDA, where the allocator
-            already counts them.
+            (parameters, gradients, inputs): throughout, or until a ``trinity::param_release``
+            in the call (or the warmup) frees their storage (``offload="activations+params"``
+            releases parameters inside the step). Ignored on CUDA, where the allocator already
+            counts them.
         device: ``"cuda"`` (or a CUDA device) to use the CUDA allocator; anything else measures
             the CPU allocator. Defaults to CUDA when available.
         warmup: on the CPU, run first under the same trace but not measured: the CPU allocator
@@ -113,15 +198,18 @@ def measure_peak_device_bytes(
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    base = resident_bytes(resident)
+    storages = resident_storages(resident)
+    held = ResidentStorages(storages)
+    base = sum(storages.values())
     marker = "trinity::measure_start"
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+    # record_shapes: the storage a trinity::param_release call frees (param_release_call).
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
         if warmup is not None:
             warmup()
         with torch.profiler.record_function(marker):
             pass
         result = fn()
-    events = []
+    events = []  # (time ns, ptr, bytes: > 0 allocated, < 0 freed, None: a param_release call)
     start_ns = None
     for node in _walk(prof.profiler.kineto_results.experimental_event_tree()):
         if warmup is not None and node.name == marker:
@@ -130,15 +218,18 @@ def measure_peak_device_bytes(
             fields = node.extra_fields
             if fields.device.type == "cpu":
                 events.append((node.start_time_ns, fields.ptr, int(fields.alloc_size)))
+        release = param_release_call(node)
+        if release is not None:
+            events.append((*release, None))
     events.sort(key=lambda e: e[0])
     pool_ptrs = {ptr for ptr, _ in live_pool_blocks()}
     live: dict[int, int] = {}
-    current = peak = pool_bytes = 0
+    current = peak = pool_bytes = 0  # bytes allocated under the trace and alive
     measuring = start_ns is None
     for t_ns, ptr, size in events:
         if not measuring and t_ns >= start_ns:
-            measuring, peak = True, current
-        if size > 0:
+            measuring, peak = True, current - held.freed_bytes
+        if size is not None and size > 0:
             if ptr in pool_ptrs:
                 if measuring:
                     pool_bytes += size
@@ -146,16 +237,18 @@ def measure_peak_device_bytes(
             live[ptr] = size
             current += size
             if measuring:
-                peak = max(peak, current)
+                peak = max(peak, current - held.freed_bytes)
         else:
-            # Frees of allocations made before the call are not known here; the memory they held
-            # is not in ``resident`` either unless the caller put it there, so ignoring them can
-            # only overstate the peak.
-            freed = live.pop(ptr, None)
+            freed = live.pop(ptr, None) if size is not None else None
             if freed is not None:
                 current -= freed
+            elif ptr not in live:
+                # A storage allocated before the trace: counted in ``resident`` up to here if the
+                # caller put it there. Frees of others are not known here; ignoring them can only
+                # overstate the peak.
+                held.free(ptr)
     if not measuring:
-        peak = current
+        peak = current - held.freed_bytes
     return MemoryMeasurement(
         peak_bytes=base + peak,
         resident_bytes=base,
