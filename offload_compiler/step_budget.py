@@ -66,8 +66,8 @@ tensors) is planned alone, as before. :func:`step_report` of a model whose block
 one by one and run outside any module gathers the blocks' ledgers.
 
 **What it does not cover** (see README "Distributed"): memory outside the compiled graphs (eager
-code between them, the optimizer's state, FSDP2's all-gather and reduce-scatter buffers and
-sharded parameters); pairs that do not run in compile order (except the runs of other pairs that
+code between them, the optimizer's state, FSDP2's all-gather and reduce-scatter buffers; FSDP2's
+sharded parameters and gradients count as their local shards); pairs that do not run in compile order (except the runs of other pairs that
 the first step's check sees beside a pair's run); a reused pair's ``N`` is what the first
 measured step showed (a step with more runs later is not seen), and it is replanned only with
 ``runtime_check="replan"`` (the default) and ``offload="activations"``; earlier pairs are never
