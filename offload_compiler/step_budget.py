@@ -469,13 +469,19 @@ def _enclosing_module(module: torch.nn.Module) -> torch.nn.Module:
     Dynamo compiles the frame of a module called from a frame it could not compile whole (a graph
     break inside a nested call): the caller, running eagerly, is on the stack, and the pairs on
     both sides of the break belong to its step. ``torch.compile``'s ``OptimizedModule`` wrapper is
-    skipped (its ``_orig_mod`` is the model itself)."""
+    skipped (its ``_orig_mod`` is the model itself).
+
+    Only the frames of ``nn.Module._call_impl`` are read: reading a frame's ``f_locals`` (Python
+    < 3.13) leaves a snapshot of its locals on the frame until it next syncs, which would keep a
+    user's objects alive past their ``del`` (an optimizer, host-pool blocks); a module call's
+    locals (the module, its arguments) live for the call anyway."""
     from torch._dynamo.eval_frame import OptimizedModule
 
+    call_impl = torch.nn.Module._call_impl.__code__
     best = module
     frame = sys._getframe(1)
     while frame is not None:
-        owner = frame.f_locals.get("self")
+        owner = frame.f_locals.get("self") if frame.f_code is call_impl else None
         if (
             isinstance(owner, torch.nn.Module)
             and owner is not best
