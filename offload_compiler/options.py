@@ -239,7 +239,9 @@ class TrinityOptions:
             first step of a plan on this machine (the allocator's events: the peak, and per op the
             workspace it allocates and frees inside itself), reports it
             (``TrinityReport.measured_peak_bytes``) and, where the measured peak is above the
-            budget, plans again with the measured workspace as margins (at most twice);
+            budget, plans again with the measured workspace as margins (at most twice), and
+            where the graph runs several times at once per step (a block graph that N blocks run:
+            ``TrinityReport.reuse_count``), plans again for its N runs;
             ``"measure"`` measures and reports only; ``"off"`` does neither. Off under
             ``fault_injection`` (its deferred copies keep memory alive on purpose).
         strategy: how a budget below the unplanned peak is met, per saved activation:
