@@ -994,8 +994,9 @@ class CompileSession:
                 reach_override=reach,
             )
             message += plan_recompute.infeasible_note(joint.recompute)
-            if in_step and self.step is not None:
-                message += "\n" + self.step.ledger.report().summary()
+            if in_step and self.step is not None and self.step.ledger.entries:
+                # This pair is not in the ledger yet: the summary lists the step's earlier pairs.
+                message += "\nThe step's pairs compiled before this one: " + self.step.ledger.report().summary()
             if self._reuse_defers():
                 # A block graph's percentage is provisional until the first step shows its runs.
                 log.info("%s (provisional: the first step's check counts the graph's runs per step)", message)
