@@ -129,6 +129,13 @@ class ModelState:
             meets own peak + (N - 1) x kept + :attr:`held_bytes` <= budget
             (:func:`plan_pair`); what else the earlier runs hold (inputs, parameters) is in
             :attr:`held_bytes`. A percentage budget's base adds N - 1 runs' unplanned kept bytes.
+        kept_cap_bytes: at most this many bytes of the pair's boundary-crossing saved activations
+            stay on the device from the end of its forward to its backward (not offloaded, not
+            recomputed): a later pair of the step asked for it to fit beside them
+            (:meth:`~offload_compiler.step_budget.StepLedger.set_caps`). A planning constraint
+            (``kept_cap`` of :func:`~.passes.plan_recompute.plan_joint` and
+            :func:`~.passes.plan_window.plan`); ``None``: no cap. Planned with
+            ``offload="activations"`` and a budget only (:func:`plan_pair` raises otherwise).
     """
 
     offload: str = "activations"
@@ -140,6 +147,7 @@ class ModelState:
     held_unplanned_bytes: int = 0
     step_unplanned_peak_bytes: int = 0
     reuse_count: int = 1
+    kept_cap_bytes: int | None = None
 
     def __post_init__(self):
         if self.offload not in _OFFLOAD_MODES:
@@ -151,6 +159,8 @@ class ModelState:
                 raise ValueError(f"ModelState.{name} must be >= 0, got {getattr(self, name)}")
         if self.reuse_count < 1:
             raise ValueError(f"ModelState.reuse_count must be >= 1, got {self.reuse_count}")
+        if self.kept_cap_bytes is not None and (isinstance(self.kept_cap_bytes, bool) or self.kept_cap_bytes < 0):
+            raise ValueError(f"ModelState.kept_cap_bytes must be None or >= 0 bytes, got {self.kept_cap_bytes!r}")
 
     @property
     def resident_bytes(self) -> int:
@@ -392,8 +402,12 @@ def plan_pair(
     Returns:
         A :class:`PairPlan`.
 
+    A cap on the kept saved activations (``model_state.kept_cap_bytes``, an earlier pair of a
+    step replanned so that a later one fits) is one more constraint of the joint planner.
+
     Raises:
-        ValueError: ``model_state.reuse_count`` > 1 with parameters to offload.
+        ValueError: ``model_state.reuse_count`` > 1 or ``model_state.kept_cap_bytes`` with
+            parameters to offload; ``kept_cap_bytes`` without a budget.
     """
     ms = model_state if model_state is not None else ModelState()
     runs = ms.reuse_count
@@ -401,6 +415,11 @@ def plan_pair(
         raise ValueError(
             f"plan_pair: a pair run {runs} times per step is planned for its runs with offload='activations' only; "
             f"got offload={ms.offload!r} with {len(ms.params)} parameters to offload"
+        )
+    if ms.kept_cap_bytes is not None and ms.params:
+        raise ValueError(
+            f"plan_pair: a cap on the kept saved activations ({ms.kept_cap_bytes} bytes) is planned with "
+            f"offload='activations' only; got offload={ms.offload!r} with {len(ms.params)} parameters to offload"
         )
     analysis = analysis or analyze_pair(pair, options, spec, margins)
     live, costs = analysis.liveness, analysis.costs
@@ -412,6 +431,8 @@ def plan_pair(
     else:
         step_budget = margins.budget_bytes
     budget = None if step_budget is None else step_budget - ms.resident_bytes
+    if ms.kept_cap_bytes is not None and budget is None:
+        raise ValueError(f"plan_pair: a cap on the kept saved activations ({ms.kept_cap_bytes} bytes) needs a budget")
     residency = split = update = None
     view = live
     joint = None
@@ -461,6 +482,7 @@ def plan_pair(
             assume_fusion=options.inner == "inductor",
             margins=margins,
             earlier_runs=runs - 1,
+            kept_cap=ms.kept_cap_bytes,
         )
         seconds["plan_window"] = time.perf_counter() - t0  # the joint planner, plan_window included
         act, view, costs = joint.plan, joint.liveness, joint.costs
@@ -752,6 +774,10 @@ class CompileSession:
         # what the step held outside the pair when it was planned (StepLedger.holdings).
         self.step = None
         self.step_held: tuple[int, int, int] = (0, 0, 0)
+        # The part of step_held[0] that is the earlier pairs' kept saved activations, and the cap
+        # on this pair's own that the ledger gave its plan (StepLedger.set_caps; None: none).
+        self.step_held_kept = 0
+        self.kept_cap_bytes: int | None = None
         # How often the pair runs at once in one step and what runs beside it, as the runtime
         # check measured the first step (step_budget.StepReuse; set by the backend's recompile).
         self.reuse = None
@@ -778,8 +804,14 @@ class CompileSession:
         (:attr:`reuse`), the reuse count and what the earlier runs and other pairs' runs hold
         besides their kept saved activations."""
         held = (0, 0, 0)
+        cap = None
+        self.step_held_kept = 0
         if self.step is not None and self.options.memory_budget.kind in ("bytes", "fraction"):
             held = self.step.holdings(self.options.offload)
+            self.step_held_kept = self.step.ledger.earlier_kept(self.step.key)
+            if self.options.offload == "activations":
+                cap = self.step.ledger.kept_cap(self.step.key)
+        self.kept_cap_bytes = cap
         reuse = self.reuse
         if reuse is not None:
             held = (held[0] + reuse.held_bytes, held[1] + reuse.held_unplanned_bytes, held[2])
@@ -800,6 +832,7 @@ class CompileSession:
             held_unplanned_bytes=held[1],
             step_unplanned_peak_bytes=held[2],
             reuse_count=reuse.runs if reuse is not None else 1,
+            kept_cap_bytes=cap,
         )
 
     def _assign_streams(
@@ -876,27 +909,111 @@ class CompileSession:
         pairs of the step are to compile (the step's unplanned peak is not known yet)."""
         return self.step is not None and self.options.memory_budget.kind == "fraction" and self.step.more_coming
 
+    def _can_cap(self) -> bool:
+        """Whether earlier pairs of the step may be planned again to keep less for this one
+        (:meth:`~offload_compiler.step_budget.StepLedger.plan_caps`: only those whose runtime
+        check can recompile them are capped)."""
+        opts = self.options
+        return (
+            self.step is not None
+            and opts.offload == "activations"
+            and opts.runtime_check == "replan"
+            and opts.fault_injection is None
+            and opts.memory_budget.kind in ("bytes", "fraction")
+        )
+
+    def _cap_earlier(self, pair: GraphPair, the_plan: PairPlan) -> tuple[PairPlan, str]:
+        """This pair cannot fit beside what the step's earlier pairs keep: cap their kept saved
+        activations so that its lowest-peak plan fits (latest pair first,
+        :meth:`~offload_compiler.step_budget.StepLedger.plan_caps`), and plan it again against
+        the capped holdings. The capped pairs are planned again with their caps at their next
+        call (the next step's start: their runtime check's recompile); this step runs with their
+        old plans. With ``on_infeasible="error"`` the caps are entered only when they make the
+        pair fit. Returns ``(plan, text for the infeasible message)``."""
+        ledger, key = self.step.ledger, self.step.key
+        if not self._can_cap():
+            return (
+                the_plan,
+                " (earlier pairs are replanned to keep less only with runtime_check='replan' and offload='activations')",
+            )
+        before = ledger.caps()
+        first_lowest = the_plan.predictions.lowest_reachable_peak_bytes
+        for _ in range(3):  # the lowest peak with recomputation is an estimate: a few rounds
+            excess = the_plan.predictions.lowest_reachable_peak_bytes - the_plan.step_budget_bytes
+            caps, missing = ledger.plan_caps(key, excess)
+            if not caps:
+                break
+            ledger.set_caps(caps, self.step.label)
+            the_plan = plan_pair(pair, self.options, self.model_state(pair), margins=self.margins)
+            if the_plan.activations.feasible or missing:
+                break
+        if the_plan.activations.feasible:
+            log.info(
+                "trinity: %s fits the step's budget only if earlier pairs keep less: %s; they are planned again at "
+                "their next call (this step runs above the budget)",
+                self.step.label,
+                ", ".join(
+                    f"{e.label} at most {ledger.kept_cap(k)} bytes"
+                    for k, e in zip(ledger.keys(), ledger.entries)
+                    if ledger.kept_cap(k) is not None
+                ),
+            )
+            return the_plan, ""
+        others = ledger.earlier(key)
+        floor = sum(e.kept_floor_bytes * e.runs for _k, e in others)
+        kept = sum(e.kept_bytes * e.runs for _k, e in others)
+        note = (
+            f", with the earlier pairs planned again to keep only the saved activations that cannot be offloaded "
+            f"({floor} of the {kept} bytes they keep now; their caps are kept only where they make this pair fit): "
+            f"its lowest step peak is then {the_plan.predictions.lowest_reachable_peak_bytes} bytes (before, "
+            f"{first_lowest}), above the step's budget {the_plan.step_budget_bytes} bytes"
+        )
+        if self.options.on_infeasible == "error":
+            ledger.restore_caps(before)
+        return the_plan, note
+
     def _record_step(self, the_plan: PairPlan) -> None:
         """Record the pair in its step's ledger; at the step's last pair (of several) under a
         percentage budget, check every pair's predicted step peak against the step's final
-        budget."""
-        self.step_holding = self.step.record(the_plan, self.step_held)
+        budget. A pair above it because of what earlier pairs keep gets caps on theirs
+        (:meth:`_cap_earlier`'s rule; it keeps its own plan, its lowest-peak one); the step is
+        refused (``on_infeasible="error"``) or warned about only when the caps cannot make it
+        fit."""
+        self.step_holding = self.step.record(
+            the_plan, self.step_held, self.step_held_kept, self.options.min_offload_bytes
+        )
         opts = self.options
-        step = self.step.ledger.report()
+        ledger = self.step.ledger
+        step = ledger.report()
         if opts.memory_budget.kind != "fraction" or self.step.more_coming or len(step.pairs) < 2:
             return
         budget = int(opts.memory_budget.value * step.unplanned_peak_bytes)
         over = [p for p in step.pairs if p.step_peak_bytes > budget]
         if not over:
             return
+        before = ledger.caps()
+        if self._can_cap():
+            for k in ledger.keys():
+                p = dict(zip(ledger.keys(), ledger.report().pairs))[k]
+                if p.step_peak_bytes > budget:
+                    caps, _missing = ledger.plan_caps(k, p.step_peak_bytes - budget)
+                    ledger.set_caps(caps, p.label)
+            step = ledger.report()
+            over = [p for p in step.pairs if p.step_peak_bytes > budget]
+            if not over:
+                return
         worst = max(over, key=lambda p: p.step_peak_bytes)
         message = (
             f"trinity: memory_budget {opts.memory_budget.describe()} of the training step's unplanned peak "
             f"{step.unplanned_peak_bytes} bytes is {budget} bytes; {len(over)} of its {len(step.pairs)} graph "
             f"pairs cannot stay within it, the worst {worst.label} at {worst.step_peak_bytes} bytes "
-            f"({worst.own_planned_peak_bytes} its own, {worst.held_bytes} held by the rest of the step).\n"
+            f"({worst.own_planned_peak_bytes} its own, {worst.held_bytes} held by the rest of the step"
+            + (", with the earlier pairs capped to keep only what cannot be offloaded" if self._can_cap() else "")
+            + ").\n"
             + step.summary()
         )
+        if opts.on_infeasible == "error":
+            ledger.restore_caps(before)
         if opts.on_infeasible == "error":
             raise InfeasibleBudgetError(message)
         warnings.warn(message + " (on_infeasible='warn': running the lowest-peak plans)", stacklevel=2)
@@ -943,6 +1060,18 @@ class CompileSession:
                 },
             )
         fallback = None
+        cap_note = " (earlier pairs are not replanned to keep less)"
+        if (
+            not act.feasible
+            and runs == 1
+            and self.step is not None
+            and self.step_held_kept
+            and not self._step_defers()
+            and not self._reuse_defers()
+        ):
+            # Earlier pairs keep saved activations this pair cannot fit beside: cap them.
+            the_plan, cap_note = self._cap_earlier(pair, the_plan)
+            act, view, joint = the_plan.activations, the_plan.activation_liveness, the_plan.joint
         if not act.feasible:
             # A percentage budget is a fraction of the peak resolve_budget saw (with parameter
             # offload, the one with every parameter resident).
@@ -963,7 +1092,7 @@ class CompileSession:
                 else:
                     held_text = (
                         f"The training step's other graph pairs hold {self.step_held[0]} bytes while this one runs"
-                        " (earlier pairs are not replanned to keep less)"
+                        + cap_note
                     )
                 reach = (
                     f"{held_text}, so the lowest budget that runs is"
@@ -1014,8 +1143,9 @@ class CompileSession:
                     if dumper:
                         dumper.text("error.txt", message)
                     raise InfeasibleBudgetError(message)
-                warnings.warn(message + " (on_infeasible='warn': using the lowest-peak plan)", stacklevel=2)
-                fallback = "budget infeasible; running the lowest-peak plan"
+                else:
+                    warnings.warn(message + " (on_infeasible='warn': using the lowest-peak plan)", stacklevel=2)
+                    fallback = "budget infeasible; running the lowest-peak plan"
         size_guards = size_guard.guard_planned_sizes(pair, view, the_plan.budget_bytes)
         if (
             the_plan.budget_bytes is not None

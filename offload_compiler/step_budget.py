@@ -41,6 +41,24 @@ as a planning input (``ModelState.reuse_count``, ``pipeline.plan_pair``), so tha
 step's unplanned peak: the pair's own plus ``N - 1`` unplanned runs' kept saved activations plus
 the others'. Later pairs of the same ledger see all ``N`` runs' kept activations and inputs.
 
+**A later pair that cannot fit beside the earlier ones.** An earlier pair plans against what
+the pairs before it hold, not against the later pairs' needs: with an absolute budget it keeps
+all the saved activations it can. When a later pair ``B``'s lowest step peak (its lowest-peak
+plan plus what the others hold) is above the budget, :meth:`StepLedger.plan_caps` gives the
+earlier pairs caps on their kept saved activations (:attr:`PairHolding.kept_bytes`) that take the
+excess off, latest pair first, each down to what it cannot offload
+(:attr:`PairHolding.kept_floor_bytes`); :meth:`StepLedger.holdings` counts a capped pair at its
+cap at once, so ``B`` is planned again against the capped holdings and keeps that plan (no second
+replan of ``B`` once the capped pairs are replanned: their new plans keep at most the cap). Each
+capped pair's runtime check (``step_check.CheckedCompile``) plans it again at its next call, the
+next step's start, never inside a step, with the cap as a planning constraint
+(``ModelState.kept_cap_bytes``: the kept boundary-crossing saved bytes <= cap in
+:mod:`.passes.plan_window` and :mod:`.passes.plan_recompute`). The step that decided the caps runs
+the earlier pairs' old plans; from the next one on the step is within the budget. The same caps are
+given at the step's last pair under a percentage budget (its check of every pair's step peak).
+With ``on_infeasible="error"`` only a step that even the earlier pairs at their floors cannot fit is
+refused (the message gives those numbers), and then no cap is kept.
+
 **Percentages** (``"50%"``) are of the step's peak without offloading: the largest, over the
 pairs compiled so far, of the pair's own unplanned peak plus what the others hold unplanned (the
 earlier pairs' saved activations all kept). A pair compiled before the step's last pair sees a
@@ -70,9 +88,9 @@ code between them, the optimizer's state, FSDP2's all-gather and reduce-scatter 
 sharded parameters and gradients count as their local shards); pairs that do not run in compile order (except the runs of other pairs that
 the first step's check sees beside a pair's run); a reused pair's ``N`` is what the first
 measured step showed (a step with more runs later is not seen), and it is replanned only with
-``runtime_check="replan"`` (the default) and ``offload="activations"``; earlier pairs are never
-replanned when a later one cannot fit (it is refused or warned about like any infeasible
-budget); under gradient accumulation, the pair's own gradients from the earlier micro-step; and
+``runtime_check="replan"`` (the default) and ``offload="activations"``; earlier pairs are
+capped for a later one (above) only with the same options, not for a later pair run N times per
+step, and the step during which a cap is decided runs above the budget; under gradient accumulation, the pair's own gradients from the earlier micro-step; and
 ``memory_budget="auto"``, which is the free device memory at each pair's compile (what the
 others already hold is not free), without the ledger's holdings.
 """
@@ -81,7 +99,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -161,6 +179,15 @@ class PairHolding:
         runs: the runs of the pair alive at once in one step that its plan covers (the reuse
             count N of a block graph run by N blocks; 1 until the first step's check measured
             more, :class:`StepReuse`).
+        kept_floor_bytes: the part of its boundary-crossing saved activations that no plan can
+            offload (not candidates, :meth:`~.passes.liveness.Liveness.candidates`): the least
+            :attr:`kept_bytes` a cap can ask for.
+        held_kept_bytes: the part of ``held_bytes`` that is the earlier pairs' kept saved
+            activations (their :attr:`kept_bytes`, or their caps where lower, x their runs) when
+            it was planned; :meth:`StepLedger.report` replaces it with what they keep now.
+        kept_cap_bytes: the cap on :attr:`kept_bytes` that a later pair asked for
+            (:meth:`StepLedger.set_caps`; ``None``: none), filled in by :meth:`StepLedger.report`.
+        capped_for: the label of the later pair the cap is for.
     """
 
     label: str
@@ -174,6 +201,10 @@ class PairHolding:
     own_planned_peak_bytes: int
     budget_bytes: int | None
     runs: int = 1
+    kept_floor_bytes: int = 0
+    held_kept_bytes: int = 0
+    kept_cap_bytes: int | None = None
+    capped_for: str | None = None
 
     @property
     def step_peak_bytes(self) -> int:
@@ -220,6 +251,13 @@ class StepReport:
                 if p.runs > 1
                 else ""
             )
+            if p.kept_cap_bytes is not None:
+                done = p.kept_bytes <= p.kept_cap_bytes
+                runs += (
+                    f" [{'replanned' if done else 'to be replanned at its next call'} to keep at most "
+                    f"{format_bytes(p.kept_cap_bytes)} ({p.kept_cap_bytes} bytes) of saved activations for a later "
+                    f"pair, {p.capped_for}, to fit]"
+                )
             lines.append(
                 f"  {p.label}{runs}: own peak {format_bytes(p.own_planned_peak_bytes)} "
                 f"(unplanned {format_bytes(p.own_unplanned_peak_bytes)}), keeps "
@@ -257,6 +295,10 @@ class StepLedger:
         self._root = weakref.ref(root)
         self._ddp = weakref.ref(ddp) if ddp is not None else None
         self._entries: dict[Any, PairHolding] = {}
+        # Pair key -> (cap on its kept saved activations in bytes, label of the later pair it is
+        # for), and the pairs whose runtime check can plan them again with a cap (set_caps).
+        self._caps: dict[Any, tuple[int, str]] = {}
+        self._replanners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def belongs_to(self, root: torch.nn.Module) -> bool:
         return self._root() is root
@@ -301,6 +343,84 @@ class StepLedger:
         ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
         return sum(_nbytes(p) for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored)
 
+    def _kept(self, key: Any, e: PairHolding) -> int:
+        """What pair ``key`` keeps per run as the others plan against it: its kept bytes, or its
+        cap where lower (a cap is planned at its next call, :meth:`set_caps`)."""
+        cap = self._caps.get(key)
+        return e.kept_bytes if cap is None else min(e.kept_bytes, cap[0])
+
+    def earlier(self, key: Any) -> list[tuple[Any, PairHolding]]:
+        """``(key, holding)`` of the pairs recorded before pair ``key``, in forward order."""
+        out = []
+        for k, e in self._entries.items():
+            if k == key:
+                break
+            out.append((k, e))
+        return out
+
+    def earlier_kept(self, key: Any) -> int:
+        """Bytes of saved activations the pairs before ``key`` keep while it runs (their
+        :attr:`PairHolding.kept_bytes`, or their caps where lower, x their runs)."""
+        return sum(self._kept(k, e) * e.runs for k, e in self.earlier(key))
+
+    def kept_cap(self, key: Any) -> int | None:
+        """The cap (bytes) on pair ``key``'s kept saved activations, or ``None``."""
+        cap = self._caps.get(key)
+        return None if cap is None else cap[0]
+
+    def register_replanner(self, key: Any, replanner: Any) -> None:
+        """Pair ``key`` can be planned again with a cap at its next call, by ``replanner`` (its
+        :class:`~offload_compiler.step_check.CheckedCompile`; held weakly)."""
+        self._replanners[key] = replanner
+
+    def plan_caps(self, key: Any, excess_bytes: int) -> tuple[dict[Any, int], int]:
+        """Caps on the kept saved activations of the pairs before ``key`` that lower what they
+        hold while it runs by ``excess_bytes``: ``(key -> cap in bytes, bytes still missing)``.
+
+        Latest pair first: the pair nearest ``key`` gives what it can (its kept bytes, or its
+        cap, down to :attr:`PairHolding.kept_floor_bytes`; a pair run N times gives N x per byte
+        of cap), then the one before. The latest first because its saved activations are the
+        most recent ones, with the shortest host round trip per byte of the earlier pairs (their
+        backward comes first of theirs), and a cap changes the fewest pairs. Only pairs that can
+        be planned again (:meth:`register_replanner`: ``runtime_check="replan"``,
+        ``offload="activations"``) are capped."""
+        left = excess_bytes
+        caps: dict[Any, int] = {}
+        for k, e in reversed(self.earlier(key)):
+            if left <= 0:
+                break
+            if self._replanners.get(k) is None:
+                continue
+            current = self._kept(k, e)
+            room = current - e.kept_floor_bytes
+            if room <= 0:
+                continue
+            take = min(room, -(-left // e.runs))
+            caps[k] = current - take
+            left -= take * e.runs
+        return caps, max(0, left)
+
+    def set_caps(self, caps: dict[Any, int], for_label: str) -> None:
+        """Enter ``caps`` (pair key -> bytes, :meth:`plan_caps`) for the later pair ``for_label``:
+        the holdings count them at once; each capped pair's runtime check plans it again with its
+        cap at its next call (the next step's start, ``CompileSession.model_state`` reads it)."""
+        for k, cap in caps.items():
+            if cap < 0:
+                raise ValueError(f"StepLedger.set_caps: a cap must be >= 0 bytes, got {cap} for {k!r}")
+            self._caps[k] = (cap, for_label)
+
+    def caps(self) -> dict[Any, tuple[int, str]]:
+        """A copy of the caps (pair key -> (bytes, later pair's label)), to put back with
+        :meth:`restore_caps` when the caps are not applied after all."""
+        return dict(self._caps)
+
+    def restore_caps(self, caps: dict[Any, tuple[int, str]]) -> None:
+        self._caps = dict(caps)
+
+    def keys(self) -> tuple[Any, ...]:
+        """The pairs' keys, in forward order (as :attr:`entries`)."""
+        return tuple(self._entries)
+
     def holdings(
         self, key: Any, own_params: set[int], offload: str, device: torch.device | None = None
     ) -> tuple[int, int, int]:
@@ -308,18 +428,15 @@ class StepLedger:
         ``(planned, unplanned, step unplanned peak so far)``. ``planned`` counts the earlier
         pairs' kept saved activations under their plans, ``unplanned`` all their saved
         activations; both add the parameters and gradients outside the pair and DDP's buckets.
+        An earlier pair with a cap (:meth:`set_caps`) counts at most its cap.
         The third figure is the largest unplanned step peak of the pairs recorded before it."""
-        earlier = []
-        for k, e in self._entries.items():
-            if k == key:
-                break
-            earlier.append(e)
+        earlier = [e for _k, e in self.earlier(key)]
         params, grads = self._model_state_bytes(own_params, offload, device)
         base = params + grads + self._bucket_bytes()
         # An earlier pair run N times per step (a reused block graph) holds N runs' worth.
         inputs = sum(e.input_bytes * e.runs for e in earlier)
         return (
-            base + inputs + sum(e.kept_bytes * e.runs for e in earlier),
+            base + inputs + self.earlier_kept(key),
             base + inputs + sum(e.kept_unplanned_bytes * e.runs for e in earlier),
             max((e.step_unplanned_peak_bytes for e in earlier), default=0),
         )
@@ -349,7 +466,23 @@ class StepLedger:
         return set() if root is None else {id(p) for p in root.parameters()}
 
     def report(self) -> StepReport:
-        entries = self.entries
+        """The step's report: each pair's held bytes with the earlier pairs' kept saved
+        activations as they keep them now (a cap, or a replan under one, lowers them), and its
+        cap, if any."""
+        entries = []
+        for k, e in self._entries.items():
+            now = self.earlier_kept(k)
+            cap = self._caps.get(k)
+            entries.append(
+                replace(
+                    e,
+                    held_bytes=e.held_bytes - e.held_kept_bytes + now,
+                    held_kept_bytes=now,
+                    kept_cap_bytes=None if cap is None else cap[0],
+                    capped_for=None if cap is None else cap[1],
+                )
+            )
+        entries = tuple(entries)
         budgets = [e.budget_bytes for e in entries]
         return StepReport(
             # A percentage's base grows with the pairs compiled: the last, largest, is the step's.
@@ -365,6 +498,8 @@ def _detached_ledger() -> StepLedger:
     ledger._root = lambda: None
     ledger._ddp = None
     ledger._entries = {}
+    ledger._caps = {}
+    ledger._replanners = weakref.WeakValueDictionary()
     return ledger
 
 
@@ -402,9 +537,11 @@ class StepPair:
         device = next((_local(p).device for p in self.params.values()), None)
         return self.ledger.holdings(self.key, set(self.params), offload, device)
 
-    def record(self, plan, held: tuple[int, int, int]) -> PairHolding:
+    def record(self, plan, held: tuple[int, int, int], held_kept: int = 0, min_offload_bytes: int = 0) -> PairHolding:
         """Record ``plan`` (a :class:`~offload_compiler.pipeline.PairPlan`, after the rewrites)
-        in the ledger; returns the holding."""
+        in the ledger; returns the holding. ``held_kept``: the part of ``held[0]`` that is the
+        earlier pairs' kept saved activations (:meth:`StepLedger.earlier_kept`);
+        ``min_offload_bytes``: the option (what cannot be offloaded is the pair's floor)."""
         from .passes.plan_window import planned_live_bytes
 
         act, view, live = plan.activations, plan.activation_liveness, plan.liveness
@@ -423,6 +560,8 @@ class StepPair:
             own_planned_peak_bytes=own_planned,
             budget_bytes=plan.step_budget_bytes,
             runs=plan.model_state.reuse_count,
+            kept_floor_bytes=kept_saved_bytes(live, {b.id for b in live.candidates(min_offload_bytes)}),
+            held_kept_bytes=held_kept,
         )
         self.ledger.record(self.key, holding)
         return holding

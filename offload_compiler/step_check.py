@@ -588,6 +588,12 @@ class CheckedCompile:
         # provisional percentage waits for this pair's final plan (see _settle_provisional).
         self._beside: weakref.WeakSet = weakref.WeakSet()
         self._waiting: weakref.WeakSet = weakref.WeakSet()
+        # A cap on the kept saved activations that a later pair of the step asked for and that a
+        # replan failed to meet (not tried again).
+        self._cap_tried: int | None = None
+        step = session.step if session is not None else None
+        if step is not None and recompile is not None and mode == "replan":
+            step.ledger.register_replanner(step.key, self)  # a later pair may cap this one
         self.measurements: list[StepMeasurement] = []
         self._state = "measure" if self._checkable() else "done"
         if getattr(compiled, "_boxed_call", False):
@@ -608,7 +614,9 @@ class CheckedCompile:
             err, self._due_error = self._due_error, None
             raise err
         if self._due is not None:
-            self._replan()
+            self._replan()  # (reads the ledger's cap too)
+        elif self._cap_due():
+            self._replan_for_cap()
         grad = torch.is_grad_enabled()
         if self._state == "pending":
             self._abandon_if_stale(grad)
@@ -924,6 +932,71 @@ class CheckedCompile:
             self._due_error = InfeasibleBudgetError(message)
         else:
             warnings.warn(message + " (on_infeasible='warn': using the lowest-peak plan)", stacklevel=3)
+
+    def _cap_due(self) -> bool:
+        """Whether a later pair of the step capped this pair's kept saved activations
+        (:meth:`~offload_compiler.step_budget.StepLedger.set_caps`) since its plan."""
+        s = self._session
+        step = s.step if s is not None else None
+        if step is None or self._recompile is None or self._mode != "replan":
+            return False
+        cap = step.ledger.kept_cap(step.key)
+        return cap is not None and cap != s.kept_cap_bytes and cap != self._cap_tried
+
+    def _replan_for_cap(self) -> None:
+        """Plan the pair again with the cap the step ledger holds for it (at this call: the
+        start of the step after the one whose later pair asked for it, never inside a step),
+        with the margins and runs the check measured so far. The report keeps its graph id and
+        measured correction; the new plan's first step is measured again."""
+        from .pipeline import InfeasibleBudgetError
+
+        old_report = self.report
+        step = self._session.step
+        cap = step.ledger.kept_cap(step.key)
+        try:
+            compiled = self._recompile(self._margins, self._session.reuse)
+        except InfeasibleBudgetError as exc:
+            self._cap_tried = cap
+            raise InfeasibleBudgetError(
+                f"trinity graph {old_report.graph_id}: planned again to keep at most {cap} bytes of saved activations "
+                f"for a later graph pair of the step: {exc}"
+            ) from exc
+        except Exception as exc:  # a failed replan must not stop training that runs
+            self._cap_tried = cap
+            warnings.warn(
+                f"trinity graph {old_report.graph_id}: planning again to keep at most {cap} bytes of saved activations "
+                f"for a later graph pair failed ({type(exc).__name__}: {exc}); its plan stays",
+                stacklevel=3,
+            )
+            return
+        session = session_of(compiled)
+        if session is None or len(session.reports) != 1:
+            self._cap_tried = cap
+            return
+        recorded = session.reports[-1]
+        final = dataclasses.replace(
+            recorded,
+            graph_id=old_report.graph_id,
+            correction=old_report.correction,
+            reuse_measured=old_report.reuse_measured,
+        )
+        _replace(old_report, final, drop=recorded)
+        session.reports[-1] = final
+        holding = session.step_holding
+        if holding is not None and holding.kept_bytes > cap:
+            self._cap_tried = cap
+            warnings.warn(
+                f"trinity graph {old_report.graph_id}: planned again to keep at most {cap} bytes of saved activations "
+                f"for a later graph pair, it still keeps {holding.kept_bytes} bytes",
+                stacklevel=3,
+            )
+        with self._lock:
+            self._retired.append((self._current, self._session))
+            self._session.runtime.pool.release_free()
+            self._current = compiled
+            self._session = session
+            self._state = "measure" if self._checkable() else "done"
+        self._resolve_waiting()
 
     def _replan(self) -> None:
         from .pipeline import InfeasibleBudgetError

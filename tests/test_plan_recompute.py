@@ -425,3 +425,32 @@ def test_solver_time_limit_is_soft_until_a_first_solution():
         assert float(w @ x.round()) <= w.sum() // 4
     status, sol = m.solve(0.0, hard_limit=0.0)  # a hard zero: no time to find anything
     assert sol is None and "time limit" in status.lower(), status
+
+
+@pytest.mark.parametrize("strategy", ["auto", "offload", "recompute"])
+@pytest.mark.parametrize("use_solver", [True, False])
+def test_kept_cap_is_met_by_every_strategy(mlp, strategy, use_solver):
+    """A cap on the saved bytes kept across the forward/backward boundary (an earlier pair of a
+    training step replanned for a later one): the solver's row, the greedy fallback and the exact
+    plan all respect it, with a budget the pair meets without a plan."""
+    from offload_compiler.step_budget import kept_saved_bytes
+
+    live, costs = analyze(mlp, SLOW_LINK)
+    total = sum(live.boundary_saved.values())
+    cap = total // 3
+    joint = plan_recompute.plan_joint(
+        mlp, live, costs, live.peak_bytes, strategy, 0, rng_replay=True, use_solver=use_solver, kept_cap=cap
+    )
+    p = joint.plan
+    assert not joint.recompute.fits_without_plan
+    assert p.feasible and p.kept_cap_bytes == cap and p.peak_bytes_planned <= live.peak_bytes
+    # Counted again on the rewritten graphs' liveness, with the plan's evictions.
+    kept = kept_saved_bytes(joint.liveness, {e.buffer for e in p.evictions})
+    assert kept == p.kept_bytes <= cap
+    if strategy == "recompute":
+        assert not p.evictions and joint.chains
+    if strategy == "offload":
+        assert not joint.chains and p.evictions
+    # Without a cap the pair fits without a plan.
+    free = plan_recompute.plan_joint(mlp, live, costs, live.peak_bytes, strategy, 0, use_solver=use_solver)
+    assert free.recompute.fits_without_plan and free.plan.evictions == ()

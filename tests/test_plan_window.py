@@ -493,3 +493,53 @@ def test_lowest_budget_percent_resolves_to_at_least_the_lowest_peak(unplanned, d
         # The next 0.1% down would not do (or is not needed: the percentage is the smallest).
         lower = MemoryBudget.parse(f"{(round(pct * 10) - 1) / 10}%")
         assert int(lower.value * unplanned) < lowest or pct <= 100 * lowest / unplanned + 0.1
+
+
+# ---------------------------------------------------------------------------- kept cap
+def _kept(live, plan) -> int:
+    evicted = {e.buffer for e in plan.evictions}
+    return sum(size for bid, size in live.boundary_saved.items() if bid not in evicted)
+
+
+@pytest.mark.parametrize("budget", [UNPLANNED, UNPLANNED - 100, 10**12])
+def test_kept_cap_bounds_the_saved_bytes_kept_across_the_boundary(mlp4, budget):
+    """A cap on the kept boundary-crossing saved bytes (an earlier pair of a step replanned for a
+    later one) is met with the fewest copies: no eviction can be dropped without breaking the
+    cap or the budget."""
+    live, costs = mlp4
+    crossing = live.boundary_saved
+    total = sum(crossing.values())
+    assert total > 0
+    free = plan_window.plan(live, costs, budget)
+    for cap in (total, total - 1, total // 2, 0):
+        plan = plan_window.plan(live, costs, budget, kept_cap=cap)
+        check_windows(live, plan)
+        check_consistent(live, costs, plan)
+        assert plan.kept_cap_bytes == cap and plan.kept_bytes == _kept(live, plan) <= cap
+        assert plan.feasible and plan.peak_bytes_planned <= budget
+        assert plan.lowest_reachable_peak_bytes == free.lowest_reachable_peak_bytes  # real steps only
+        for ev in plan.evictions:
+            rest = tuple(e for e in plan.evictions if e is not ev)
+            peak = max(planned_live_by_hand(live, rest))
+            kept = sum(size for bid, size in crossing.items() if bid not in {e.buffer for e in rest})
+            assert peak > budget or kept > cap, f"eviction of buffer {ev.buffer} is not needed"
+        if cap == total:
+            assert plan.evictions == free.evictions
+    assert plan_window.plan(live, costs, budget, kept_cap=0).kept_bytes == 0
+
+
+def test_kept_cap_below_what_can_be_offloaded_is_infeasible_and_keeps_the_floor(mlp4):
+    live, costs = mlp4
+    big = max(live.candidates(), key=lambda b: b.size_bytes)
+    only = frozenset(b.id for b in live.candidates() if b.id != big.id)  # the largest may not move
+    plan = plan_window.plan(live, costs, UNPLANNED, only=only, kept_cap=big.size_bytes - 1)
+    assert not plan.feasible and plan.kept_bytes == big.size_bytes  # everything else is evicted
+    assert plan.peak_bytes_planned <= UNPLANNED
+
+
+def test_kept_cap_is_validated(mlp4):
+    live, costs = mlp4
+    with pytest.raises(ValueError, match="kept_cap must be >= 0 bytes and needs a budget"):
+        plan_window.plan(live, costs, None, kept_cap=10)
+    with pytest.raises(ValueError, match="kept_cap=-1"):
+        plan_window.plan(live, costs, UNPLANNED, kept_cap=-1)

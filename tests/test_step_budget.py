@@ -25,7 +25,7 @@ def nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def train(budget, backend="trinity", on_infeasible="warn"):
+def train(budget, backend="trinity", on_infeasible="warn", **options):
     """Two warm-up steps, then one measured; returns (model, measurement, gradients)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -33,7 +33,7 @@ def train(budget, backend="trinity", on_infeasible="warn"):
     x = torch.randn(512, 64)
     if backend == "trinity":
         opts = {"inner": "eager", "memory_budget": budget, "min_offload_bytes": 0, "on_infeasible": on_infeasible}
-        compiled = torch.compile(model, backend="trinity", options=opts)
+        compiled = torch.compile(model, backend="trinity", options={**opts, **options})
     else:
         compiled = torch.compile(model, backend=backend)
     for _ in range(2):
@@ -100,14 +100,72 @@ def test_graph_break_percentage_is_of_the_step(reference, fraction):
     assert m.peak_bytes <= fraction * ref_peak + PEAK_SLACK_BYTES
 
 
-def test_later_pair_that_cannot_fit_is_refused_naming_the_step():
-    # At 1.6 MB the first pair fits keeping its saved activations; the second then cannot fit
-    # beside them (earlier pairs are not replanned: README "Distributed").
+def _refusal(budget, **options) -> str:
     with pytest.raises(Exception) as info:
-        train(1_600_000, on_infeasible="error")
+        train(budget, on_infeasible="error", **options)
     inner = getattr(info.value, "inner_exception", info.value)
-    assert isinstance(inner, InfeasibleBudgetError)
-    assert "training step's other graph pairs hold" in str(inner)
+    assert isinstance(inner, InfeasibleBudgetError), inner
+    return str(inner)
+
+
+def test_later_pair_that_cannot_fit_is_refused_when_earlier_pairs_cannot_be_replanned():
+    # At 1.6 MB the first pair fits keeping all its saved activations; the second cannot fit
+    # beside them. Without the runtime check's recompile the first pair cannot be replanned.
+    msg = _refusal(1_600_000, runtime_check="measure")
+    assert "training step's other graph pairs hold" in msg
+    assert "replanned to keep less only with runtime_check='replan'" in msg
+
+
+@pytest.mark.parametrize("budget", [1_600_000, "50%"])
+def test_earlier_pair_is_replanned_to_keep_less_for_a_later_one(reference, budget):
+    """The second pair cannot fit beside what the first keeps (refused above, and refused before
+    earlier pairs were replanned): the first pair gets a cap on its kept saved activations, is
+    planned again with it at its next call, and from the second step on the step fits."""
+    ref_peak, ref_grads = reference
+    if budget == 1_600_000:
+        # The first pair alone fits keeping everything (planned alone it evicts nothing).
+        torch._dynamo.reset()
+        first_alone = train(budget, runtime_check="measure")[0]
+        alone = step_report(first_alone).pairs[0]
+        assert alone.kept_bytes == alone.kept_unplanned_bytes > 0
+    model, m, grads = train(budget, on_infeasible="error")
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g, r)  # offloading only: bit for bit
+    report = step_report(model)
+    first, second = report.pairs
+    assert first.kept_cap_bytes is not None and first.capped_for == second.label
+    assert second.kept_cap_bytes is None
+    assert first.kept_bytes <= first.kept_cap_bytes < first.kept_unplanned_bytes
+    # The cap is what the second pair's lowest-peak plan needed: it fits beside the first's cap.
+    assert second.held_kept_bytes == first.kept_bytes
+    assert report.within_budget and second.step_peak_bytes <= report.budget_bytes
+    assert "replanned to keep at most" in report.summary() and second.label in report.summary()
+    assert m.peak_bytes <= report.budget_bytes + PEAK_SLACK_BYTES, report.summary()
+    assert m.peak_bytes < ref_peak
+
+
+def test_later_pair_that_cannot_fit_even_with_capped_earlier_pairs_is_refused():
+    # At 1.06 MB the first pair fits (its lowest step peak is 1038080 bytes) but the second cannot
+    # fit even with the first keeping nothing (1085956 bytes): refused, with
+    # the numbers of the capped step.
+    msg = _refusal(1_060_000)
+    match = re.search(
+        r"with the earlier pairs planned again to keep only the saved activations that cannot be offloaded "
+        r"\((\d+) of the (\d+) bytes they keep now.*its lowest step peak is then (\d+) bytes \(before, (\d+)\), "
+        r"above the step's budget (\d+) bytes",
+        msg,
+    )
+    assert match, msg
+    floor, kept, lowest, before, budget = map(int, match.groups())
+    assert floor == 0 and kept > 0 and budget == 1_060_000
+    assert before - lowest == kept  # the first pair's kept bytes all came off the second's peak
+    assert lowest > budget
+    # The lowest budget the message names runs.
+    suggested = re.search(r"or memory_budget=(\d+) \(bytes\)", msg)
+    assert suggested and int(suggested.group(1)) == lowest
+    model, m, _grads = train(lowest, on_infeasible="error")
+    assert step_report(model).within_budget
+    assert m.peak_bytes <= lowest + PEAK_SLACK_BYTES
 
 
 def test_percentage_the_step_cannot_reach_is_refused():

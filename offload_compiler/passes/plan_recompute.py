@@ -46,6 +46,14 @@ uniform term to its memory rows (a recomputed buffer is not kept across the boun
 fallback and the scoring count it through the working-window planner, and the unplanned peak
 that decides "fits without a plan" includes the earlier runs' saved activations, all kept.
 
+**A cap on the kept saved activations** (``kept_cap`` C, :func:`.plan_window.plan`: an earlier
+pair of a training step replanned so that a later pair fits): the boundary-crossing saved bytes
+neither offloaded nor recomputed total at most C. The program gets one linear row (the sizes of
+the boundary-crossing buffers offloaded or recomputed >= their total - C); the greedy fallback
+takes recomputations until the cap holds too; every candidate's exact plan is the working-window
+planner's with the cap, so ``feasible`` requires it, and a plan that does not fit without one
+is planned when the unplanned kept bytes exceed C.
+
 Pure: reads liveness, costs and the graphs (for the chains); the graphs are not changed (stage 3
 rewrites a copy).
 """
@@ -495,10 +503,18 @@ class _Model:
 
 
 def _build_model(
-    live, costs, offs: list[_Off], chains: list[Chain], budget: int, use_offload, use_recompute, earlier_runs: int = 0
+    live,
+    costs,
+    offs: list[_Off],
+    chains: list[Chain],
+    budget: int,
+    use_offload,
+    use_recompute,
+    earlier_runs: int = 0,
+    kept_cap: int | None = None,
 ):
     """The MIP of the module docstring. Returns ``(model, offload var per buffer, recompute var
-    per buffer)``."""
+    per buffer)``. ``kept_cap``: the row capping the kept boundary-crossing saved bytes."""
     T = live.num_steps
     crossing = live.boundary_saved if earlier_runs else {}
     base = live.live_bytes() + earlier_runs * sum(crossing.values())
@@ -510,6 +526,17 @@ def _build_model(
     xr = {c.buffer: m.var(c.seconds / st, 0.0, 1.0, True) for c in chains} if use_recompute else {}
     for b in set(xo) & set(xr):
         m.row({xo[b]: 1.0, xr[b]: 1.0}, -np.inf, 1.0)
+    if kept_cap is not None:
+        # Kept = sum(size) - sum(size x (offloaded + recomputed)) <= cap.
+        boundary = live.boundary_saved
+        coefs: dict[int, float] = {}
+        for b, size in boundary.items():
+            for x in (xo, xr):
+                if b in x:
+                    coefs[x[b]] = coefs.get(x[b], 0.0) + size / sb
+        need = (sum(boundary.values()) - kept_cap) / sb
+        if coefs and need > 0:
+            m.row(coefs, need, np.inf)
     # Memory: jumps of live bytes where a choice changes them.
     jumps: dict[int, dict[int, float]] = {}
 
@@ -661,8 +688,17 @@ def _no_double_moves(ranking: list[Chain], limit: int | None = None) -> frozense
 
 
 # ------------------------------------------------------------------------------------ choosing
+def _over_cap(p: Plan) -> bool:
+    """Whether ``p`` keeps more boundary-crossing saved bytes than its ``kept_cap``."""
+    return p.kept_bytes is not None and p.kept_cap_bytes is not None and p.kept_bytes > p.kept_cap_bytes
+
+
 def _score_key(p: Plan, n_recompute: int):
-    return (0, p.predicted_step_seconds, n_recompute) if p.feasible else (1, p.step_peak_bytes, n_recompute)
+    # Of the plans that miss the budget, those within a kept cap first (the cap is what a later
+    # pair of the step counts on), then the lowest peak.
+    if p.feasible:
+        return (0, 0, p.predicted_step_seconds, n_recompute)
+    return (1, int(_over_cap(p)), p.step_peak_bytes, n_recompute)
 
 
 def choose(
@@ -675,11 +711,12 @@ def choose(
     time_limit_s: float = SOLVER_TIME_LIMIT_S,
     use_solver: bool = True,
     earlier_runs: int = 0,
+    kept_cap: int | None = None,
 ) -> tuple[str, frozenset[int], frozenset[int] | None, dict]:
     """Stages 1 and 2 of the module docstring: the winning ``(name, recomputed buffers, offload
     restriction or None, details)``. ``details`` has ``solver``, ``solver_status``,
-    ``fallback_used``, ``solver_seconds``, ``scored`` and ``lowest``. ``earlier_runs``: as
-    :func:`.plan_window.plan`'s.
+    ``fallback_used``, ``solver_seconds``, ``scored`` and ``lowest``. ``earlier_runs`` and
+    ``kept_cap``: as :func:`.plan_window.plan`'s.
 
     Raises:
         ValueError: for an unknown ``strategy``.
@@ -699,7 +736,9 @@ def choose(
                 allowed = frozenset(b for b in allowed if b not in chosen)
             scored[key] = (
                 name,
-                plan_offload(view, vcosts, budget, min_offload_bytes, only=allowed, earlier_runs=earlier_runs),
+                plan_offload(
+                    view, vcosts, budget, min_offload_bytes, only=allowed, earlier_runs=earlier_runs, kept_cap=kept_cap
+                ),
             )
         return scored[key][1]
 
@@ -710,7 +749,7 @@ def choose(
     if recompute_ok:
         # The cheapest recomputation per byte freed first.
         ranking = sorted(chains, key=lambda c: (c.seconds / max(1, c.size_bytes), -c.size_bytes))
-        alone = _fit_by_recompute(live, ranking, budget, earlier_runs)
+        alone = _fit_by_recompute(live, ranking, budget, earlier_runs, kept_cap)
         solved_rc = solved_joint = None
         if use_solver and have_solver() and budget is not None:
             t0 = time.perf_counter()
@@ -727,7 +766,7 @@ def choose(
                     if with_offload is False and offload_ok:
                         left = max(0.05, 0.25 * time_limit_s)
                     model, xo, xr = _build_model(
-                        live, costs, offs, list(chains), budget, with_offload, True, earlier_runs
+                        live, costs, offs, list(chains), budget, with_offload, True, earlier_runs, kept_cap
                     )
                     status, sol = model.solve(left)
                     statuses.append(f"{name}: {status}")
@@ -786,17 +825,23 @@ def choose(
 
 
 def _fit_by_recompute(
-    live: Liveness, ranking: list[Chain], budget: int | None, earlier_runs: int = 0
+    live: Liveness, ranking: list[Chain], budget: int | None, earlier_runs: int = 0, kept_cap: int | None = None
 ) -> frozenset[int]:
     """Chains from the front of ``ranking`` (no move of a move, see :func:`_build_model`) until
     the recomputation alone brings the peak within ``budget``, by the model's memory (with
-    ``earlier_runs``' kept saved activations, :func:`.plan_window.plan`); all that can be taken
-    if it never does."""
+    ``earlier_runs``' kept saved activations, :func:`.plan_window.plan`) and the kept
+    boundary-crossing saved bytes within ``kept_cap``; all that can be taken if it never does."""
     if budget is None:
         return frozenset()
-    crossing = live.boundary_saved if earlier_runs else {}
+    boundary = live.boundary_saved
+    crossing = boundary if earlier_runs else {}
     cur = live.live_bytes() + earlier_runs * sum(crossing.values())
-    if cur.max() <= budget:
+    kept = sum(boundary.values())
+
+    def fits() -> bool:
+        return cur.max() <= budget and (kept_cap is None or kept <= kept_cap)
+
+    if fits():
         return frozenset()
     T = live.num_steps
     taken: dict[int, Chain] = {}
@@ -821,8 +866,9 @@ def _fit_by_recompute(
                 add(d, trial[dep].recompute_before, trial[leaf].size_bytes)
                 add(d, trial[leaf].recompute_before, -trial[leaf].size_bytes)
         cur = cur + np.cumsum(d[:-1]) - earlier_runs * crossing.get(c.buffer, 0)
+        kept -= boundary.get(c.buffer, 0)
         taken = trial
-        if cur.max() <= budget:
+        if fits():
             break
     return frozenset(taken)
 
@@ -888,6 +934,7 @@ def plan_joint(
     use_solver: bool = True,
     margins=None,
     earlier_runs: int = 0,
+    kept_cap: int | None = None,
 ) -> JointPlan:
     """Plan keep/offload/recompute for ``pair`` (all three stages of the module docstring).
 
@@ -907,6 +954,8 @@ def plan_joint(
             check of the first steps): the liveness of a rewritten candidate counts it as ``live``'s does.
         earlier_runs: runs of the same pair whose kept saved activations are held while this
             one runs (a block graph run by ``earlier_runs + 1`` blocks per step; module docstring).
+        kept_cap: at most this many bytes of boundary-crossing saved activations stay on the
+            device across the forward/backward boundary (module docstring); ``None``: no cap.
 
     Python's cyclic garbage collector is paused while it plans (and restored after): the planner
     allocates many small objects while the graphs keep millions alive, and each collection walks
@@ -933,6 +982,7 @@ def plan_joint(
             use_solver,
             margins,
             earlier_runs,
+            kept_cap,
         )
     finally:
         if was_enabled:
@@ -952,6 +1002,7 @@ def _plan_joint(
     use_solver: bool = True,
     margins=None,
     earlier_runs: int = 0,
+    kept_cap: int | None = None,
 ) -> JointPlan:
     """:func:`plan_joint` without pausing the garbage collector."""
     from . import insert_recompute, recompute_chains
@@ -961,8 +1012,9 @@ def _plan_joint(
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
     t0 = time.perf_counter()
     held = earlier_runs * sum(live.boundary_saved.values()) if earlier_runs else 0
-    if budget is None or live.peak_bytes + held <= budget:
-        the_plan = plan_offload(live, costs, budget, min_offload_bytes, earlier_runs=earlier_runs)
+    capped = kept_cap is not None and sum(live.boundary_saved.values()) > kept_cap
+    if budget is None or (live.peak_bytes + held <= budget and not capped):
+        the_plan = plan_offload(live, costs, budget, min_offload_bytes, earlier_runs=earlier_runs, kept_cap=kept_cap)
         rp = RecomputePlan(
             strategy, "none", fits_without_plan=True, plan_seconds=time.perf_counter() - t0, note="fits without a plan"
         )
@@ -973,7 +1025,16 @@ def _plan_joint(
         names = [live.saved[i].fw_node for i in live.buffers[bid].saved]
         refused.append((", ".join(names), why))
     name, chosen, only, details = choose(
-        live, costs, analysis.chains, budget, strategy, min_offload_bytes, time_limit_s, use_solver, earlier_runs
+        live,
+        costs,
+        analysis.chains,
+        budget,
+        strategy,
+        min_offload_bytes,
+        time_limit_s,
+        use_solver,
+        earlier_runs,
+        kept_cap,
     )
     by_buf = analysis.by_buffer()
     common = dict(
@@ -991,7 +1052,8 @@ def _plan_joint(
         """``(chains, liveness, costs, plan, names)`` of a candidate on the rewritten graphs."""
         if not chosen:
             allowed = None if only is None else frozenset(only)
-            return (), live, costs, plan_offload(live, costs, budget, min_offload_bytes, allowed, earlier_runs), None
+            p = plan_offload(live, costs, budget, min_offload_bytes, allowed, earlier_runs, kept_cap)
+            return (), live, costs, p, None
         chains = tuple(by_buf[b] for b in sorted(chosen))
         copy = insert_recompute.copy_pair(pair)
         insert_recompute.apply(copy, live, chains)
@@ -1007,9 +1069,11 @@ def _plan_joint(
                 for i in live.buffers[b].saved
             }
             allowed = frozenset(s.buffer for s in live2.saved if s.fw_ref in wanted)
-        p = plan_offload(live2, costs2, budget, min_offload_bytes, only=allowed, earlier_runs=earlier_runs)
+        p = plan_offload(
+            live2, costs2, budget, min_offload_bytes, only=allowed, earlier_runs=earlier_runs, kept_cap=kept_cap
+        )
         if not p.feasible and allowed is not None and strategy != "recompute":
-            p = plan_offload(live2, costs2, budget, min_offload_bytes, earlier_runs=earlier_runs)
+            p = plan_offload(live2, costs2, budget, min_offload_bytes, earlier_runs=earlier_runs, kept_cap=kept_cap)
         names = (tuple(n.name for n in copy.forward.graph.nodes), tuple(n.name for n in copy.backward.graph.nodes))
         return chains, live2, costs2, replace(p, peak_bytes_unplanned=live.peak_bytes), names
 
@@ -1027,7 +1091,7 @@ def _plan_joint(
     if result is None and offload_only is not None and offload_only.feasible:
         result = ("offload only", ((), live, costs, offload_only, None))
     if result is None:  # none meets the budget: the lowest exact peak
-        result = min(tried, key=lambda t: (t[1][3].step_peak_bytes, len(t[1][0])))
+        result = min(tried, key=lambda t: (_over_cap(t[1][3]), t[1][3].step_peak_bytes, len(t[1][0])))
     if result[0] != details["ranked"][0][0]:
         note = (
             f"the exact plan of the best-scored candidate {details['ranked'][0][0]!r} missed the budget; "

@@ -28,6 +28,16 @@ unselected candidate covers the peak step). The plan's ``peak_bytes_planned`` st
 own; ``reuse_held_bytes`` is m x what it keeps, and ``feasible`` and the lowest reachable peak
 count both.
 
+**A cap on the kept saved activations** (``kept_cap`` C: an earlier pair of a training step
+replanned so that a later pair fits, :mod:`offload_compiler.step_budget`): the boundary-crossing
+saved bytes that stay on the device (not evicted) must total at most C. That is one more linear
+constraint, planned as one virtual extra step after the backward whose live bytes are the kept
+boundary-crossing bytes + (budget - C): the budget binds there exactly when the kept bytes exceed
+C, and evicting a boundary-crossing candidate lowers that step by its size (and no real step
+changes). The greedy selection covers it like any step over the budget (it prefers the candidates
+whose copies hide); the reported peaks are of the real steps only, and ``feasible`` requires both
+the budget and the cap (``kept_bytes`` is what the plan keeps).
+
 After selection, copy placement accounts for channel contention (copies in one direction run one
 at a time): D2H waits move later and prefetches earlier until each copy hides, as far as the
 budget allows. :func:`~offload_compiler.passes.simulate.simulate` then predicts the step time and
@@ -125,6 +135,10 @@ class Plan:
             earlier runs keep on the device under this plan (m x the boundary-crossing saved
             bytes not evicted), held beside the pair's own ``peak_bytes_planned``; 0 otherwise.
             ``lowest_reachable_peak_bytes`` and ``feasible`` count them.
+        kept_cap_bytes: the cap on the kept boundary-crossing saved bytes it was planned with
+            (``kept_cap``; ``None``: none).
+        kept_bytes: with a cap, the boundary-crossing saved bytes the plan keeps on the device
+            (``feasible`` requires ``kept_bytes <= kept_cap_bytes``); ``None`` without a cap.
     """
 
     budget_bytes: int | None
@@ -140,6 +154,8 @@ class Plan:
     compute_seconds: float
     num_candidates: int
     reuse_held_bytes: int = 0
+    kept_cap_bytes: int | None = None
+    kept_bytes: int | None = None
 
     @property
     def step_peak_bytes(self) -> int:
@@ -255,6 +271,7 @@ class _Cand:
         "selected",
         "gap",
         "shadow",
+        "capped",
     )
 
 
@@ -265,6 +282,7 @@ def plan(
     min_offload_bytes: int = 0,
     only: frozenset[int] | None = None,
     earlier_runs: int = 0,
+    kept_cap: int | None = None,
 ) -> Plan:
     """Plan evictions so the simulated peak stays within ``budget_bytes`` (see module docstring).
 
@@ -277,6 +295,12 @@ def plan(
             planner, :mod:`.plan_recompute`, restricts offloading to what it chose).
         earlier_runs: runs of the same pair whose saved activations are held while this one
             runs (a block graph run by ``earlier_runs + 1`` blocks per step; module docstring).
+        kept_cap: at most this many bytes of boundary-crossing saved activations
+            (:attr:`.liveness.Liveness.boundary_saved`) stay on the device across the
+            forward/backward boundary (module docstring); ``None``: no cap.
+
+    Raises:
+        ValueError: ``earlier_runs`` < 0, ``kept_cap`` < 0, or ``kept_cap`` without a budget.
 
     Returns:
         A :class:`Plan`. When the budget cannot be met, ``feasible`` is False and the plan holds
@@ -285,13 +309,21 @@ def plan(
     """
     if earlier_runs < 0:
         raise ValueError(f"plan_window.plan: earlier_runs must be >= 0, got {earlier_runs}")
+    if kept_cap is not None and (kept_cap < 0 or budget_bytes is None):
+        raise ValueError(
+            f"plan_window.plan: kept_cap must be >= 0 bytes and needs a budget; got kept_cap={kept_cap}, "
+            f"budget_bytes={budget_bytes}"
+        )
     T = liveness.num_steps
     F = liveness.num_fw_steps
     own = liveness.live_bytes()
     unplanned_peak = int(own.max()) if T else 0
     # The earlier runs' saved activations, all kept: every eviction of one lowers every step.
-    crossing = liveness.boundary_saved if earlier_runs else {}
+    crossing = liveness.boundary_saved if earlier_runs or kept_cap is not None else {}
     base = own + earlier_runs * sum(crossing.values())
+    if kept_cap is not None:
+        # The virtual step (module docstring): over the budget exactly when more than the cap is kept.
+        base = np.append(base, sum(crossing.values()) + budget_bytes - kept_cap)
     secs = np.asarray(costs.step_seconds, dtype=np.float64)
     ce = np.concatenate([[0.0], np.cumsum(secs)])  # ce[s] = start of step s; ce[s+1] = its end
     bw_compute = [s.index for s in liveness.steps[F:] if not s.is_placeholder]
@@ -323,6 +355,7 @@ def plan(
         c.selected = False
         c.gap = float(ce[buf.first_bw_use] - ce[buf.last_fw_use + 1])
         c.shadow = earlier_runs * crossing.get(buf.id, 0)
+        c.capped = crossing.get(buf.id, 0) if kept_cap is not None else 0
         cands.append(c)
 
     def exposure(c: _Cand, e: int, p: int) -> float:
@@ -338,23 +371,30 @@ def plan(
         for g in c.groups:
             d[p] += g.copy_bytes
             d[g.last_use + 1] -= g.copy_bytes
-        return np.cumsum(d[:-1]) - c.shadow
+        out = np.cumsum(d[:-1]) - c.shadow
+        return np.append(out, -c.capped) if kept_cap is not None else out
 
     # The lowest reachable peak: every candidate at its tightest window.
     tight = base.copy()
     for c in cands:
         tight += change(c, c.lo_e, c.hi_p)
-    lowest = int(tight.max()) if T else 0
+    lowest = int(tight.max()) if len(tight) else 0
 
     cur = base.copy()
-    if budget_bytes is not None and int(base.max() if T else 0) > budget_bytes:
+    if budget_bytes is not None and int(base.max() if len(base) else 0) > budget_bytes:
         if lowest > budget_bytes:
             for c in cands:
                 c.e, c.p, c.selected = c.lo_e, c.hi_p, True
             cur = tight.copy()
-            _drop_unneeded(cands, cur, lowest, change)
+            # Keep the lowest peak, and the cap wherever the tightest plan meets it (the virtual
+            # step's own limit): a copy dropped must raise neither.
+            limit = np.full(len(cur), lowest, dtype=np.int64)
+            if kept_cap is not None:
+                limit[:T] = max(budget_bytes, int(tight[:T].max()) if T else 0)
+                limit[T] = max(budget_bytes, int(tight[T]))
+            _drop_unneeded(cands, cur, limit, change)
         else:
-            _select(cands, cur, budget_bytes, exposure, change)
+            _select(cands, cur, budget_bytes, exposure, change, virtual_step=kept_cap is not None)
             if cur.max() > budget_bytes:
                 # The greedy choice got stuck although the tightest plan fits: use that.
                 for c in cands:
@@ -381,6 +421,7 @@ def plan(
     peak_step = int(live.argmax()) if T else 0
     evicted = {c.buf.id for c in chosen}
     held = earlier_runs * sum(size for bid, size in crossing.items() if bid not in evicted)
+    kept = sum(size for bid, size in crossing.items() if bid not in evicted) if kept_cap is not None else None
     timeline: Timeline = simulate(costs.step_seconds, copy_tasks(evictions, costs))
     breakdown = _breakdown(liveness, evictions, peak_step)
     if held:
@@ -391,40 +432,48 @@ def plan(
         peak_bytes_unplanned=unplanned_peak,
         peak_bytes_planned=peak,
         peak_step_planned=peak_step,
-        lowest_reachable_peak_bytes=lowest,
-        feasible=budget_bytes is None or peak + held <= budget_bytes,
+        # The real steps' lowest peak (the cap's virtual step is no peak of the device).
+        lowest_reachable_peak_bytes=int(tight[:T].max()) if T else 0,
+        feasible=(budget_bytes is None or peak + held <= budget_bytes) and (kept is None or kept <= kept_cap),
         peak_breakdown=tuple(breakdown.items()),
         predicted_step_seconds=timeline.step_seconds,
         exposed_transfer_seconds=timeline.exposed_seconds,
         compute_seconds=timeline.compute_seconds,
         num_candidates=len(cands),
         reuse_held_bytes=held,
+        kept_cap_bytes=kept_cap,
+        kept_bytes=kept,
     )
 
 
-def _drop_unneeded(cands, cur: np.ndarray, limit: int, change) -> None:
+def _drop_unneeded(cands, cur: np.ndarray, limit, change) -> None:
     """Unselect every candidate whose eviction is not needed to keep the peak within ``limit``:
     a copy that buys nothing (its buffer is not live at any step the limit binds, or offloading
     cannot lower the peak at all) costs host-link time for no memory. Mutates ``cands`` and
-    ``cur`` (the live bytes with the selected candidates applied).
+    ``cur`` (the live bytes with the selected candidates applied). ``limit``: bytes, or bytes per
+    step (an array as long as ``cur``).
 
     One pass, most copy bytes first, is enough for a set from which no single eviction can be
     dropped: dropping evictions only raises the live bytes, so a candidate needed with more
     evictions selected is needed with fewer too."""
     for c in sorted((c for c in cands if c.selected), key=lambda c: -sum(g.copy_bytes for g in c.groups)):
         without = cur - change(c, c.e, c.p)
-        if without.max() <= limit:
+        if (without <= limit).all():
             cur[:] = without
             c.selected = False
 
 
-def _select(cands, cur: np.ndarray, budget: int, exposure, change) -> None:
-    """Greedy selection over the peak (mutates ``cands`` and ``cur``)."""
+def _select(cands, cur: np.ndarray, budget: int, exposure, change, virtual_step: bool = False) -> None:
+    """Greedy selection over the peak (mutates ``cands`` and ``cur``). ``virtual_step``: the last
+    entry of ``cur`` is the kept cap's virtual step (:func:`plan`), which only evicting a
+    boundary-crossing candidate lowers."""
     if not cands:
         return
     n = len(cands)
     size = np.array([c.size for c in cands], dtype=np.int64)
     shadow = np.array([c.shadow for c in cands], dtype=np.int64)
+    capped = np.array([c.capped for c in cands], dtype=np.int64)
+    virtual = len(cur) - 1 if virtual_step else None  # the kept cap's step (module docstring)
     lo_e = np.array([c.lo_e for c in cands])
     hi_p = np.array([c.hi_p for c in cands])
     # Copy time each candidate would expose at its ideal window (0: it hides under compute).
@@ -458,11 +507,15 @@ def _select(cands, cur: np.ndarray, budget: int, exposure, change) -> None:
         #    seconds per byte saved.
         #    With earlier runs (``shadow``), every unselected candidate lowers t by its shadow;
         #    the bytes it saves at t rank it.
-        covers = (e < t) & (t < p)
-        ideal = (~sel) & (covers | (shadow > 0))
+        #    At the kept cap's virtual step, an unselected boundary-crossing candidate lowers it by
+        #    its size (``capped``) and nothing covers it otherwise.
+        at_virtual = t == virtual
+        covers = (e < t) & (t < p) if not at_virtual else np.zeros(n, dtype=bool)
+        lowers = capped if at_virtual else shadow
+        ideal = (~sel) & (covers | (lowers > 0))
         if ideal.any():
             idx = np.flatnonzero(ideal)
-            saves = np.where(covers[idx], size[idx], 0) + shadow[idx]
+            saves = np.where(covers[idx], size[idx], 0) + lowers[idx]
             keys = exposed_ideal[idx] / saves
             best = np.lexsort((-saves, keys))[0]
             c = cands[int(idx[best])]
@@ -471,7 +524,7 @@ def _select(cands, cur: np.ndarray, budget: int, exposure, change) -> None:
             continue
         # 2) the cheapest tightening (of any candidate) that covers t.
         ok = (lo_e < t) & (t < hi_p)
-        if not ok.any():
+        if at_virtual or not ok.any():
             return  # nothing can lower this step
         best, best_key, best_window = None, None, None
         for i in np.flatnonzero(ok):
