@@ -129,8 +129,11 @@ def test_earlier_pair_is_replanned_to_keep_less_for_a_later_one(reference, budge
         alone = step_report(first_alone).pairs[0]
         assert alone.kept_bytes == alone.kept_unplanned_bytes > 0
     model, m, grads = train(budget, on_infeasible="error")
-    for g, r in zip(grads, ref_grads):
-        assert torch.equal(g, r)  # offloading only: bit for bit
+    torch.manual_seed(0)
+    eager = Broken()
+    eager(torch.randn(512, 64)).backward()  # the same model and input as train()'s, uncompiled
+    for g, r, e in zip(grads, ref_grads, eager.parameters()):
+        assert torch.equal(g, r) and torch.equal(g, e.grad)  # bit for bit with eager
     report = step_report(model)
     first, second = report.pairs
     assert first.kept_cap_bytes is not None and first.capped_for == second.label
@@ -415,3 +418,12 @@ def test_graph_break_in_a_nested_module_joins_the_callers_step():
     m = measure_peak_device_bytes(lambda: compiled(x).backward(), resident=list(model.parameters()) + [x], device="cpu")
     assert report.within_budget, report.summary()
     assert m.peak_bytes <= report.budget_bytes + PEAK_SLACK_BYTES, report.summary()
+
+
+def test_kept_cap_of_the_model_state_is_validated():
+    from offload_compiler.pipeline import ModelState
+
+    assert ModelState(kept_cap_bytes=0).kept_cap_bytes == 0
+    for bad in (-1, True):
+        with pytest.raises(ValueError, match="ModelState.kept_cap_bytes must be None or >= 0 bytes"):
+            ModelState(kept_cap_bytes=bad)
