@@ -315,14 +315,15 @@ def input_bytes(live) -> int:
 
 
 def kept_saved_bytes(live, evicted: set[int]) -> int:
-    """Device bytes of saved activations alive across the forward/backward boundary of ``live``
-    (a :class:`~offload_compiler.passes.liveness.Liveness`), leaving out buffer ids ``evicted``."""
+    """Device bytes of saved activations (and of the inner compiler's layout copies saved in place of
+    inputs) alive across the forward/backward boundary of ``live`` (a
+    :class:`~offload_compiler.passes.liveness.Liveness`), leaving out buffer ids ``evicted``."""
     from .passes.liveness import BufferKind
 
     boundary = live.num_fw_steps - 1
     total = 0
     for b in live.buffers:
-        if not b.on_device or b.fused or b.kind != BufferKind.SAVED or b.id in evicted:
+        if not b.on_device or b.fused or b.kind not in (BufferKind.SAVED, BufferKind.LAYOUT_COPY) or b.id in evicted:
             continue
         if any(first <= boundary < last for first, last in b.intervals()):
             total += b.size_bytes
