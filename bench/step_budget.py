@@ -5,8 +5,15 @@ budget: the step's measured peak (CPU allocator trace, parameters and input resi
 step's budget as resolved, the ledger's predicted and unplanned step peaks, and per pair what it
 holds; the same step compiled with ``aot_eager`` (nothing offloaded) for the unplanned measure.
 
+Second, a block graph run 4 times per step: 4 identical blocks (3 linear+tanh layers with a
+residual, width 128, 2048 rows), each compiled on its own with ``block.compile``, so all four run
+one compiled graph (``F1 .. F4 B4 .. B1``). Per budget, the step's measured peak with the plan
+made at compile time for one run (``runtime_check="measure"``: it measures and never plans
+again, as every run was planned before the runtime check counted runs) and with the default
+check, which counts the 4 runs in the first step and plans the graph again for them.
+
 Target: the measured step peak within the step's budget wherever the ledger predicts the plan
-is (64 KiB of allocator slack, as in the tests). The multi-process DDP figures (4 splits) are
+is (64 KiB of allocator slack, as in the tests). The multi-process DDP and FSDP2 figures are
 measured by ``tests/test_distributed.py`` (README "Distributed").
 
 ``python -m bench.step_budget``
@@ -20,7 +27,9 @@ import torch.nn as nn
 from .common import write_result
 
 BUDGETS = ("60%", "75%", 1_800_000, 2_000_000)
+REUSE_BUDGETS = (12_000_000, "60%", "75%")
 SLACK = 64 * 1024
+REUSE_WIDTH, REUSE_ROWS = 128, 2048
 
 
 class Broken(nn.Module):
@@ -38,6 +47,72 @@ class Broken(nn.Module):
         for lin in self.b:
             x = torch.tanh(lin(x))
         return x.pow(2).mean()
+
+
+class Block(nn.Module):
+    """Three linear+tanh layers and a residual: the block of the reused-graph measurement."""
+
+    def __init__(self, d=REUSE_WIDTH, depth=3):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+
+    def forward(self, x):
+        h = x
+        for lin in self.lins:
+            h = torch.tanh(lin(h))
+        return x + h
+
+
+class Blocks(nn.Module):
+    """``n`` identical :class:`Block` and a sum as the loss."""
+
+    def __init__(self, n=4, d=REUSE_WIDTH):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.sum()
+
+
+def measure_reuse(budget, backend="trinity", runtime_check="replan") -> dict:
+    """The reused block graph's step (module docstring), after three unmeasured steps."""
+    from offload_compiler import measure_peak_device_bytes, reports, step_report
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Blocks()
+    before = len(reports())
+    for b in model.blocks:
+        if backend == "trinity":
+            opts = {"inner": "eager", "memory_budget": budget, "min_offload_bytes": 0, "on_infeasible": "warn"}
+            b.compile(backend="trinity", options={**opts, "runtime_check": runtime_check})
+        else:
+            b.compile(backend=backend)
+    x = torch.randn(REUSE_ROWS, REUSE_WIDTH, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    for _ in range(3):
+        model(x).backward()
+        model.zero_grad(set_to_none=True)
+    m = measure_peak_device_bytes(lambda: model(x).backward(), resident=list(model.parameters()) + [x], device="cpu")
+    row = {"budget": budget, "backend": backend, "measured_peak_bytes": m.peak_bytes}
+    if backend != "trinity":
+        return row
+    (r,) = reports()[before:]
+    report = step_report(model)
+    row.update(
+        runtime_check=runtime_check,
+        reuse_count=r.reuse_count,
+        reuse_measured=r.reuse_measured,
+        step_budget_bytes=r.budget_bytes,
+        planned_peak_bytes=r.peak_bytes_planned,
+        unplanned_peak_bytes=r.peak_bytes_unplanned,
+        predicted_step_peak_bytes=report.predicted_peak_bytes,
+        evicted=r.num_evicted,
+        feasible=r.feasible,
+        within_budget_measured=m.peak_bytes <= r.budget_bytes + SLACK,
+    )
+    return row
 
 
 def measure(budget, backend="trinity") -> dict:
@@ -99,11 +174,38 @@ def main() -> int:
                 else ""
             )
         )
+    reuse = [measure_reuse(None, backend="aot_eager")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for b in REUSE_BUDGETS:
+            reuse += [measure_reuse(b, runtime_check="measure"), measure_reuse(b)]
+    for r in reuse:
+        print(
+            f"reused block graph, {r['backend']:>9} budget {str(r['budget']):>9}: measured {r['measured_peak_bytes']:>9}"
+            + (
+                f"  runtime_check={r['runtime_check']:<7} runs planned/measured {r['reuse_count']}/"
+                f"{r['reuse_measured']} step budget {r['step_budget_bytes']:>9} planned {r['planned_peak_bytes']:>9}"
+                f" feasible {r['feasible']} within (measured) {r['within_budget_measured']}"
+                if "step_budget_bytes" in r
+                else ""
+            )
+        )
     path = write_result(
-        "step_budget_cpu", {"model": "graph-break MLP 2x6x64, batch 512", "rows": rows}, torch.device("cpu")
+        "step_budget_cpu",
+        {
+            "model": "graph-break MLP 2x6x64, batch 512",
+            "rows": rows,
+            "reuse_model": f"4 identical blocks of 3 linear+tanh {REUSE_WIDTH}, residual, {REUSE_ROWS} rows; "
+            "block.compile per block (one graph run 4 times per step)",
+            "reuse_rows": reuse,
+        },
+        torch.device("cpu"),
     )
     print(f"wrote {path}")
     ok = all(r.get("within_budget_measured", True) for r in rows if r.get("within_budget_predicted", True))
+    ok = ok and all(
+        r["within_budget_measured"] for r in reuse if r.get("runtime_check") == "replan" and r.get("feasible")
+    )
     return 0 if ok else 1
 
 

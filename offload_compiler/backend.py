@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -132,6 +131,7 @@ def _with_runtime_check(compiled, gm, example_inputs, options, mode):
     budget (``runtime_check``; see ``step_check.py``, which says why a replan compiles
     Dynamo's graph again). Keeps ``gm``, fake copies of ``example_inputs`` and the tracing context
     for that; returns ``compiled`` itself where there is nothing to check."""
+    from .param_offload import real_parameters
     from .step_check import CheckedCompile, session_of
 
     session = session_of(compiled)
@@ -139,6 +139,9 @@ def _with_runtime_check(compiled, gm, example_inputs, options, mode):
         return compiled
     if session.options.fault_injection is not None:
         return compiled  # a test mode for ordering bugs: deferred copies keep memory alive on purpose
+    # Where each run's parameters are among the call's arguments (the check sees what other
+    # runs of the pair, a reused block graph's, keep allocated).
+    session.param_positions = tuple(sorted(real_parameters(example_inputs, gm)))
     recompile = None
     if not session.param_slots:
         ctx = torch._guards.TracingContext.try_get()
@@ -152,14 +155,18 @@ def _with_runtime_check(compiled, gm, example_inputs, options, mode):
             for x in example_inputs
         ]
 
-        def recompile(margins):
+        def recompile(margins, reuse=None):
             with torch._guards.tracing(ctx) if ctx is not None else contextlib.nullcontext():
-                return _compile(gm, fakes, options, mode, {}, margins=margins, step=session.step)
+                compiled = _compile(gm, fakes, options, mode, {}, margins=margins, step=session.step, reuse=reuse)
+            again = session_of(compiled)
+            if again is not None:
+                again.param_positions = session.param_positions
+            return compiled
 
     return CheckedCompile(compiled, session, recompile, session.options.runtime_check)
 
 
-def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=None):
+def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=None, reuse=None):
     if unexpected:
         raise ValueError(
             f"trinity backend: unexpected arguments {sorted(unexpected)}; pass trinity's settings as "
@@ -181,17 +188,15 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
     )
     session = CompileSession(opts, device, runtime)
     session.margins = margins
+    session.reuse = reuse  # the runs per step the runtime check measured (step_budget.StepReuse)
     from .step_budget import join_step
 
     # The training step's ledger (step_budget.py); a replan of the runtime check keeps the pair's.
+    # A block graph that runs once per block (FSDP2's per-block compile, a reused block.compile())
+    # is planned for one run at its compile; the runtime check counts its runs in the first step
+    # and plans it again for them (step_check.py, step_budget.py).
     session.step = step if step is not None else join_step(gm, example_inputs, engine)
-    if engine.kind == "fsdp2" and opts.memory_budget.kind in ("bytes", "fraction"):
-        warnings.warn(
-            f"trinity: under FSDP2 memory_budget={opts.memory_budget.describe()!r} applies to each run of a "
-            "block's graph, not to the whole training step (a block graph runs once per block, and FSDP2's "
-            "all-gather buffers are not planned); see README 'Distributed'",
-            stacklevel=2,
-        )
+    session.may_be_reused = engine.kind == "fsdp2" or (session.step is not None and session.step.compiled_alone)
     partitioner = TrinityPartitioner(session)
     if opts.offload != "activations":
         if opts.inner != "eager":

@@ -108,8 +108,10 @@ class MemoryBudget:
 
     Exactly one form:
       * ``kind="bytes"``: ``value`` is an absolute number of bytes;
-      * ``kind="fraction"``: ``value`` in (0, 1] is a fraction of the graph's own peak without
-        offloading (given as ``"50%"``);
+      * ``kind="fraction"``: ``value`` in (0, 1] is a fraction of the training step's peak
+        without offloading (given as ``"50%"``): every compiled graph pair of the step, the model
+        state they hold, and a reused block graph's runs (``step_budget.py``); for a step of one
+        pair, that pair's own peak;
       * ``kind="auto"``: on CUDA, the device's free memory at compile time less
         ``TrinityOptions.budget_reserve_bytes``; without CUDA, no limit.
       * ``kind="none"``: no limit (never offload).
@@ -147,7 +149,7 @@ class MemoryBudget:
                 if not ok:
                     raise ValueError(
                         f"trinity option {key!r}: got {value!r}; a percentage must be in (0%, 100%] "
-                        "(a fraction of the graph's own peak without offloading)"
+                        "(a fraction of the training step's peak without offloading)"
                     )
                 return MemoryBudget("fraction", fraction)
         try:
@@ -155,7 +157,7 @@ class MemoryBudget:
         except (ValueError, OverflowError):
             raise ValueError(
                 f"trinity option {key!r}: got {value!r}; expected {_SIZE_HELP}, a percentage "
-                "such as '50%' of the graph's own peak, 'auto' (free device memory less a reserve) "
+                "such as '50%' of the training step's peak without offloading, 'auto' (free device memory less a reserve) "
                 "or None (no limit)"
             ) from None
 
@@ -239,7 +241,9 @@ class TrinityOptions:
             first step of a plan on this machine (the allocator's events: the peak, and per op the
             workspace it allocates and frees inside itself), reports it
             (``TrinityReport.measured_peak_bytes``) and, where the measured peak is above the
-            budget, plans again with the measured workspace as margins (at most twice);
+            budget, plans again with the measured workspace as margins (at most twice), and
+            where the graph runs several times at once per step (a block graph that N blocks run:
+            ``TrinityReport.reuse_count``), plans again for its N runs;
             ``"measure"`` measures and reports only; ``"off"`` does neither. Off under
             ``fault_injection`` (its deferred copies keep memory alive on purpose).
         strategy: how a budget below the unplanned peak is met, per saved activation:

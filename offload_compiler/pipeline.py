@@ -63,6 +63,8 @@ from .passes import (
 from .passes.margins import WorkspaceMargins
 from .report import TrinityReport, next_graph_id, record_report
 from .runtime.transfer import TransferRuntime
+from .step_budget import input_bytes as _input_bytes
+from .step_budget import kept_saved_bytes
 
 __all__ = [
     "TrinityPartitioner",
@@ -120,6 +122,13 @@ class ModelState:
             base of a percentage budget).
         step_unplanned_peak_bytes: the largest unplanned step peak of the step's other pairs
             compiled so far (a percentage budget is of the larger of it and this pair's).
+        reuse_count: runs of this pair alive at once in one step (N: a block graph run by N
+            blocks, ``F1 .. FN BN .. B1``; measured by the runtime check of the first step,
+            :class:`~offload_compiler.step_budget.StepReuse`). The N - 1 earlier runs keep the
+            saved activations the plan keeps on the device while the last run runs, so the plan
+            meets own peak + (N - 1) x kept + :attr:`held_bytes` <= budget
+            (:func:`plan_pair`); what else the earlier runs hold (inputs, parameters) is in
+            :attr:`held_bytes`. A percentage budget's base adds N - 1 runs' unplanned kept bytes.
     """
 
     offload: str = "activations"
@@ -130,6 +139,7 @@ class ModelState:
     held_bytes: int = 0
     held_unplanned_bytes: int = 0
     step_unplanned_peak_bytes: int = 0
+    reuse_count: int = 1
 
     def __post_init__(self):
         if self.offload not in _OFFLOAD_MODES:
@@ -139,6 +149,8 @@ class ModelState:
         for name in ("optimizer_state_bytes", "held_bytes", "held_unplanned_bytes", "step_unplanned_peak_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ModelState.{name} must be >= 0, got {getattr(self, name)}")
+        if self.reuse_count < 1:
+            raise ValueError(f"ModelState.reuse_count must be >= 1, got {self.reuse_count}")
 
     @property
     def resident_bytes(self) -> int:
@@ -170,7 +182,8 @@ class PairAnalysis:
 @dataclass(frozen=True)
 class Predictions:
     """What a :class:`PairPlan` predicts for the step (bytes include
-    :attr:`ModelState.resident_bytes`; seconds are the simulator's, on the cost model's figures).
+    :attr:`ModelState.resident_bytes` and, with :attr:`ModelState.reuse_count` N > 1, the N - 1
+    earlier runs' kept saved activations; seconds are the simulator's, on the cost model's figures).
 
     Attributes:
         unplanned_peak_bytes: peak with nothing offloaded (every parameter resident; the
@@ -215,7 +228,8 @@ class PairPlan:
             residency applied (:func:`~.passes.param_residency.activation_view`), else the same.
         costs: the cost model.
         step_budget_bytes: the step's budget (:func:`resolve_budget`; ``None``: no limit).
-        budget_bytes: the pair's own budget: the step's less :attr:`ModelState.resident_bytes`.
+        budget_bytes: the pair's own budget: the step's less :attr:`ModelState.resident_bytes`
+            (a pair run N times per step meets it with :attr:`reuse_held_bytes` added to its peak).
         residency: the parameter residency plan (``None`` without parameter offload).
         activations: the activation plan (:class:`~.passes.plan_window.Plan`; pair bytes).
         predictions: :class:`Predictions`.
@@ -232,6 +246,11 @@ class PairPlan:
         update: the optimizer update model the predictions used (``None`` without ``"all"``).
         margins: the measured workspace margins planned with (``None``: none yet).
         grad_sync: under DDP with ``offload="all"``, what the ``grad_sync`` pass reduces (set by it).
+        reuse_held_bytes: with :attr:`ModelState.reuse_count` N > 1, the saved activations the
+            N - 1 earlier runs keep on the device under this plan (N - 1 times the plan's kept
+            bytes, ``activations.reuse_held_bytes``): held beside the last run, like
+            :attr:`ModelState.held_bytes`; 0 with one run.
+        reuse_held_unplanned_bytes: the same with nothing offloaded.
     """
 
     model_state: ModelState
@@ -251,18 +270,24 @@ class PairPlan:
     update: Any = None
     margins: WorkspaceMargins | None = None
     grad_sync: dict | None = None
+    reuse_held_bytes: int = 0
+    reuse_held_unplanned_bytes: int = 0
 
 
-def resolve_budget(options: TrinityOptions, live: liveness.Liveness, model_state: ModelState) -> int | None:
+def resolve_budget(
+    options: TrinityOptions, live: liveness.Liveness, model_state: ModelState, own_peak_bytes: int | None = None
+) -> int | None:
     """The step's memory budget in bytes (``None``: no limit), for a pair with liveness ``live``.
 
     The one place a budget is resolved (the backend, the inference rewrite and ``plan`` reach
     it through :func:`plan_pair`):
 
     * bytes: as given;
-    * a fraction: of the step's peak without offloading, the pair's (``live.peak_bytes``) plus
-      ``model_state.optimizer_state_bytes`` and what the step's other pairs hold unplanned
-      (``held_unplanned_bytes``), or the other pairs' largest (``step_unplanned_peak_bytes``);
+    * a fraction: of the step's peak without offloading, the pair's (``own_peak_bytes``, default
+      ``live.peak_bytes``) plus ``model_state.optimizer_state_bytes``, what the step's other
+      pairs hold unplanned (``held_unplanned_bytes``) and, with ``reuse_count`` N > 1, N - 1
+      runs' saved activations kept across the forward/backward boundary, or the other pairs'
+      largest (``step_unplanned_peak_bytes``);
     * ``"auto"``: on CUDA, the device's free memory now, plus what the pair's parameters and
       inputs already hold (they are part of its peak), less ``budget_reserve_bytes``; without
       CUDA, no limit;
@@ -272,7 +297,12 @@ def resolve_budget(options: TrinityOptions, live: liveness.Liveness, model_state
     if budget.kind == "bytes":
         return int(budget.value)
     if budget.kind == "fraction":
-        own = live.peak_bytes + model_state.optimizer_state_bytes + model_state.held_unplanned_bytes
+        own = (
+            (live.peak_bytes if own_peak_bytes is None else own_peak_bytes)
+            + model_state.optimizer_state_bytes
+            + model_state.held_unplanned_bytes
+            + (model_state.reuse_count - 1) * kept_saved_bytes(live, set())
+        )
         return int(budget.value * max(own, model_state.step_unplanned_peak_bytes))
     if budget.kind == "none":
         return None
@@ -343,7 +373,9 @@ def plan_pair(
             analysis); computed when ``None``.
         margins: per-op workspace measured by the runtime check of the first steps
             (:mod:`.step_check`): liveness counts it, and the budget is the one the
-            first plan resolved (``margins.budget_bytes``).
+            first plan resolved (``margins.budget_bytes``); a percentage is resolved again from
+            the first plan's unplanned peak without the margins (``margins.unplanned_peak_bytes``,
+            where given) and this model state, whose reuse count the check may have raised.
 
     Without parameter offload the joint planner (:func:`~.passes.plan_recompute.plan_joint`)
     chooses keep, offload or recompute per saved activation (``options.strategy``). With
@@ -351,14 +383,34 @@ def plan_pair(
     ``optimizer_on_device``) is chosen first, and the predictions include the optimizer update
     (:func:`~.passes.param_residency.step_timeline`).
 
+    A pair run N times per step (``model_state.reuse_count`` N > 1, a reused block graph) is
+    planned with the N - 1 earlier runs' kept saved activations in the budget: the joint planner
+    (``earlier_runs``, :mod:`.passes.plan_recompute`, :mod:`.passes.plan_window`) meets own peak +
+    (N - 1) x kept + held <= budget, where evicting or recomputing a saved activation lowers every
+    step by N - 1 times its size. Parameter offload is not planned for several runs.
+
     Returns:
         A :class:`PairPlan`.
+
+    Raises:
+        ValueError: ``model_state.reuse_count`` > 1 with parameters to offload.
     """
     ms = model_state if model_state is not None else ModelState()
+    runs = ms.reuse_count
+    if runs > 1 and ms.params:
+        raise ValueError(
+            f"plan_pair: a pair run {runs} times per step is planned for its runs with offload='activations' only; "
+            f"got offload={ms.offload!r} with {len(ms.params)} parameters to offload"
+        )
     analysis = analysis or analyze_pair(pair, options, spec, margins)
     live, costs = analysis.liveness, analysis.costs
     seconds = dict(analysis.seconds)
-    step_budget = margins.budget_bytes if margins is not None else resolve_budget(options, live, ms)
+    if margins is None:
+        step_budget = resolve_budget(options, live, ms)
+    elif options.memory_budget.kind == "fraction" and margins.unplanned_peak_bytes is not None:
+        step_budget = resolve_budget(options, live, ms, own_peak_bytes=margins.unplanned_peak_bytes)
+    else:
+        step_budget = margins.budget_bytes
     budget = None if step_budget is None else step_budget - ms.resident_bytes
     residency = split = update = None
     view = live
@@ -408,6 +460,7 @@ def plan_pair(
             rng_replay=options.inner == "eager",
             assume_fusion=options.inner == "inductor",
             margins=margins,
+            earlier_runs=runs - 1,
         )
         seconds["plan_window"] = time.perf_counter() - t0  # the joint planner, plan_window included
         act, view, costs = joint.plan, joint.liveness, joint.costs
@@ -416,9 +469,10 @@ def plan_pair(
     if device_state:
         budget = None if budget is None else budget - device_state
     extra = ms.resident_bytes + device_state
+    reuse_unplanned = (runs - 1) * kept_saved_bytes(live, set())
     predictions = Predictions(
-        unplanned_peak_bytes=live.peak_bytes + ms.optimizer_state_bytes + ms.held_unplanned_bytes,
-        planned_peak_bytes=act.peak_bytes_planned + extra,
+        unplanned_peak_bytes=live.peak_bytes + ms.optimizer_state_bytes + ms.held_unplanned_bytes + reuse_unplanned,
+        planned_peak_bytes=act.peak_bytes_planned + extra + act.reuse_held_bytes,
         lowest_reachable_peak_bytes=act.lowest_reachable_peak_bytes + extra,
         feasible=act.feasible,
         step_seconds=step_s,
@@ -444,6 +498,8 @@ def plan_pair(
         split=split,
         update=update,
         margins=margins,
+        reuse_held_bytes=act.reuse_held_bytes,
+        reuse_held_unplanned_bytes=reuse_unplanned,
     )
 
 
@@ -585,9 +641,10 @@ def _verify(ctx: RewriteContext, plan: PairPlan) -> PairPlan:
             raise verify.VerificationError(
                 "trinity verification of parameter residency failed:\n  - " + "\n  - ".join(errors)
             )
+    own_budget = None if plan.budget_bytes is None else plan.budget_bytes - plan.reuse_held_bytes
     peak = verify.verify(
         ctx.pair,
-        plan.budget_bytes if plan.activations.feasible else None,
+        own_budget if plan.activations.feasible else None,
         expected_peak_bytes=plan.activations.peak_bytes_planned,
         assume_fusion=opts.inner == "inductor",
         margins=plan.margins,
@@ -695,14 +752,37 @@ class CompileSession:
         # what the step held outside the pair when it was planned (StepLedger.holdings).
         self.step = None
         self.step_held: tuple[int, int, int] = (0, 0, 0)
+        # How often the pair runs at once in one step and what runs beside it, as the runtime
+        # check measured the first step (step_budget.StepReuse; set by the backend's recompile).
+        self.reuse = None
+        # Read by the runtime check after the plan: the forward positions of the parameter
+        # inputs (set by the backend), and per run the saved activations the plan keeps on the
+        # device across the forward/backward boundary, unplanned, and the non-parameter inputs
+        # (bytes); the pair's own unplanned peak (bytes, without margins on the first plan).
+        self.param_positions: tuple[int, ...] = ()
+        self.run_bytes: tuple[int, int, int] = (0, 0, 0)
+        self.own_unplanned_peak_bytes: int | None = None
+        # The ledger entry this session recorded (step_budget.PairHolding), if any.
+        self.step_holding = None
+        # Set by the backend: the pair is a module compiled on its own (module.compile(), FSDP2's
+        # per-block compile), which identical blocks may run several times per step. A
+        # percentage it cannot reach for one run then waits for the first step (the message).
+        self.may_be_reused = False
+        self.provisional: str | None = None
 
     def model_state(self, pair: GraphPair) -> ModelState:
         """The :class:`ModelState` of ``pair``: its parameter inputs that have slots
-        (``offload`` other than ``"activations"``), with their slots' host bytes, and what the
-        training step holds outside it (:mod:`.step_budget`; not with ``memory_budget="auto"``)."""
+        (``offload`` other than ``"activations"``), with their slots' host bytes, what the
+        training step holds outside it (:mod:`.step_budget`; not with ``memory_budget="auto"``)
+        and, once the runtime check measured the pair running N times per step
+        (:attr:`reuse`), the reuse count and what the earlier runs and other pairs' runs hold
+        besides their kept saved activations."""
         held = (0, 0, 0)
         if self.step is not None and self.options.memory_budget.kind in ("bytes", "fraction"):
             held = self.step.holdings(self.options.offload)
+        reuse = self.reuse
+        if reuse is not None:
+            held = (held[0] + reuse.held_bytes, held[1] + reuse.held_unplanned_bytes, held[2])
         self.step_held = held
         static = set(pair.static_input_indices)
         params = {i: (s.id, s.host_bytes) for i, s in self.param_slots.items() if i in static}
@@ -719,6 +799,7 @@ class CompileSession:
             held_bytes=held[0],
             held_unplanned_bytes=held[1],
             step_unplanned_peak_bytes=held[2],
+            reuse_count=reuse.runs if reuse is not None else 1,
         )
 
     def _assign_streams(
@@ -774,6 +855,22 @@ class CompileSession:
                 if other is slot:  # the same parameter at several inputs
                     del self.param_slots[i]
 
+    def _reuse_defers(self) -> bool:
+        """Whether an infeasible plan waits for the first step's check: a percentage budget for a
+        module compiled on its own (``module.compile()``, FSDP2's per-block compile: a block graph
+        that identical blocks may run several times per step, :attr:`may_be_reused`) before the
+        check measured how many runs share the step (the percentage is of their unplanned peak),
+        where the check can plan again (``runtime_check="replan"``, ``offload="activations"``)."""
+        opts = self.options
+        return (
+            self.may_be_reused
+            and self.reuse is None
+            and opts.memory_budget.kind == "fraction"
+            and opts.runtime_check == "replan"
+            and opts.offload == "activations"
+            and opts.fault_injection is None
+        )
+
     def _step_defers(self) -> bool:
         """Whether an infeasible plan waits for the step's check: a percentage budget while more
         pairs of the step are to compile (the step's unplanned peak is not known yet)."""
@@ -783,7 +880,7 @@ class CompileSession:
         """Record the pair in its step's ledger; at the step's last pair (of several) under a
         percentage budget, check every pair's predicted step peak against the step's final
         budget."""
-        self.step.record(the_plan, self.step_held)
+        self.step_holding = self.step.record(the_plan, self.step_held)
         opts = self.options
         step = self.step.ledger.report()
         if opts.memory_budget.kind != "fraction" or self.step.more_coming or len(step.pairs) < 2:
@@ -827,6 +924,11 @@ class CompileSession:
         the_plan = plan_pair(pair, opts, self.model_state(pair), margins=self.margins)
         if the_plan.split is not None:
             self._keep_on_device(the_plan.split)
+        runs = the_plan.model_state.reuse_count
+        if runs > 1:
+            # The earlier runs' kept saved activations, as the plan decided them, are held too.
+            h = self.step_held
+            self.step_held = (h[0] + the_plan.reuse_held_bytes, h[1] + the_plan.reuse_held_unplanned_bytes, h[2])
         seconds.update(the_plan.pass_seconds)
         act, view, joint = the_plan.activations, the_plan.activation_liveness, the_plan.joint
         if dumper:
@@ -845,20 +947,45 @@ class CompileSession:
             # A percentage budget is a fraction of the peak resolve_budget saw (with parameter
             # offload, the one with every parameter resident).
             reach = None
-            in_step = self.step is not None and self.step_held[0]
+            in_step = (self.step is not None and self.step_held[0]) or runs > 1
             if in_step:
                 # The budget is the step's: the lowest budget that runs is stated as a fraction
                 # of the step's unplanned peak, the value to pass back as memory_budget.
                 lowest = the_plan.predictions.lowest_reachable_peak_bytes
                 step_unplanned = max(the_plan.predictions.unplanned_peak_bytes, self.step_held[2])
+                if runs > 1:
+                    held_text = (
+                        f"This graph runs {runs} times per step (measured in the first step): while its last run "
+                        f"runs, its {runs - 1} earlier runs keep {the_plan.reuse_held_bytes} bytes of saved "
+                        f"activations under the lowest-peak plan, and the rest of the step (the earlier runs' inputs "
+                        f"and parameters, other graph pairs) holds {the_plan.model_state.held_bytes} bytes"
+                    )
+                else:
+                    held_text = (
+                        f"The training step's other graph pairs hold {self.step_held[0]} bytes while this one runs"
+                        " (earlier pairs are not replanned to keep less)"
+                    )
                 reach = (
-                    f"The training step's other graph pairs hold {self.step_held[0]} bytes while this one runs"
-                    " (earlier pairs are not replanned to keep less), so the lowest budget that runs is"
+                    f"{held_text}, so the lowest budget that runs is"
                     f" memory_budget='{plan_window.lowest_budget_percent(lowest, step_unplanned)}' of the step's"
                     f" peak without offloading ({step_unplanned} bytes so far), or memory_budget={lowest} (bytes)."
                 )
+            described = act
+            if runs > 1:
+                # The step's budget and the lowest step peak, the earlier runs' kept bytes included
+                # (the planner's own budget is what they leave, searched: plan_pair).
+                outside = (("held by the rest of the step", the_plan.model_state.resident_bytes),)
+                described = replace(
+                    act,
+                    peak_breakdown=tuple(
+                        sorted(act.peak_breakdown + tuple(kv for kv in outside if kv[1]), key=lambda kv: -kv[1])
+                    ),
+                    budget_bytes=the_plan.step_budget_bytes,
+                    lowest_reachable_peak_bytes=the_plan.predictions.lowest_reachable_peak_bytes,
+                    peak_bytes_unplanned=the_plan.predictions.unplanned_peak_bytes,
+                )
             message = plan_window.describe_infeasible(
-                act,
+                described,
                 view,
                 opts.memory_budget.describe(),
                 opts.min_offload_bytes,
@@ -867,18 +994,28 @@ class CompileSession:
                 reach_override=reach,
             )
             message += plan_recompute.infeasible_note(joint.recompute)
-            if in_step:
-                message += "\n" + self.step.ledger.report().summary()
-            if self._step_defers():
-                # A DDP split's percentage budget is provisional until the last split compiles.
-                log.info("%s (provisional: checked when the step's last graph pair compiles)", message)
-                fallback = "budget infeasible for now; checked against the step's budget at its last graph pair"
-            elif opts.on_infeasible == "error":
-                if dumper:
-                    dumper.text("error.txt", message)
-                raise InfeasibleBudgetError(message)
-            warnings.warn(message + " (on_infeasible='warn': using the lowest-peak plan)", stacklevel=2)
-            fallback = "budget infeasible; running the lowest-peak plan"
+            if in_step and self.step is not None and self.step.ledger.entries:
+                # This pair is not in the ledger yet: the summary lists the step's earlier pairs.
+                message += "\nThe step's pairs compiled before this one: " + self.step.ledger.report().summary()
+            if self._reuse_defers():
+                # A block graph's percentage is provisional until the first step shows its runs.
+                log.info("%s (provisional: the first step's check counts the graph's runs per step)", message)
+                self.provisional = message
+                fallback = (
+                    "budget infeasible for one run; the first step's check counts the graph's runs per step and "
+                    "plans again"
+                )
+            else:
+                if self._step_defers():
+                    # A DDP split's percentage budget is provisional until the last split compiles.
+                    log.info("%s (provisional: checked when the step's last graph pair compiles)", message)
+                    fallback = "budget infeasible for now; checked against the step's budget at its last graph pair"
+                elif opts.on_infeasible == "error":
+                    if dumper:
+                        dumper.text("error.txt", message)
+                    raise InfeasibleBudgetError(message)
+                warnings.warn(message + " (on_infeasible='warn': using the lowest-peak plan)", stacklevel=2)
+                fallback = "budget infeasible; running the lowest-peak plan"
         size_guards = size_guard.guard_planned_sizes(pair, view, the_plan.budget_bytes)
         if (
             the_plan.budget_bytes is not None
@@ -890,6 +1027,13 @@ class CompileSession:
         step_nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
         ctx = RewriteContext(pair, self, step_nodes, dumper, seconds)
         the_plan = run_rewrites(ctx, the_plan)
+        self.run_bytes = (
+            kept_saved_bytes(view, {e.buffer for e in act.evictions}),
+            kept_saved_bytes(the_plan.liveness, set()),
+            _input_bytes(the_plan.liveness),
+        )
+        if self.margins is None:
+            self.own_unplanned_peak_bytes = the_plan.liveness.peak_bytes
         if self.step is not None:
             self._record_step(the_plan)
         if opts.runtime_check != "off" and opts.fault_injection is None:

@@ -131,9 +131,23 @@ class PlanResult:
     strategy: str = "offload"
     update: str = ""
 
+    def reference_step_seconds(self) -> float | None:
+        """The step the budgets are compared with (seconds): with ``offload="activations"`` the
+        step without offloading (:attr:`compute_seconds`); with parameters or the whole model
+        state on the host, every budget pays their copies and the host update, so the fastest
+        feasible row's step (``None`` when no row is feasible)."""
+        if self.offload == "activations":
+            return self.compute_seconds
+        steps = [r.predicted_step_seconds for r in self.rows if r.feasible]
+        return min(steps) if steps else None
+
     def within_5_percent(self) -> PlanRow | None:
-        """The feasible row with the smallest budget whose step is within 5% of no offloading."""
-        ok = [r for r in self.rows if r.feasible and r.predicted_step_seconds <= 1.05 * self.compute_seconds]
+        """The feasible row with the smallest budget whose step is within 5% of
+        :meth:`reference_step_seconds`."""
+        ref = self.reference_step_seconds()
+        if ref is None:
+            return None
+        ok = [r for r in self.rows if r.feasible and r.predicted_step_seconds <= 1.05 * ref]
         return min(ok, key=lambda r: r.budget_bytes) if ok else None
 
     def to_json(self) -> dict:
@@ -182,9 +196,32 @@ def model_builder(model, seq_len: int, hf_overrides: dict):
             raise ValueError(f"model {model!r} needs the transformers package (pip install transformers)") from None
         model_type = model[3:]
         try:
+            default = AutoConfig.for_model(model_type)
+        except (ValueError, KeyError):
+            import difflib
+
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            near = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=5, cutoff=0.6)
+            hint = f"; closest: {', '.join(near)}" if near else "; e.g. hf:gpt2, hf:llama, hf:mistral, hf:qwen2"
+            raise ValueError(f"model {model!r}: transformers has no model type {model_type!r}{hint}") from None
+        unknown = [k for k in hf_overrides if not hasattr(default, k)]
+        if unknown:
+            import difflib
+
+            fields = sorted(set(default.to_dict()) | set(getattr(default, "attribute_map", {})))
+            near = difflib.get_close_matches(unknown[0], fields, n=3, cutoff=0.6)
+            raise ValueError(
+                f"--hf {unknown[0]}=...: {type(default).__name__} has no field {unknown[0]!r}"
+                + (f"; did you mean {' or '.join(near)}?" if near else f" (its fields: {', '.join(fields)})")
+            )
+        try:
             config = AutoConfig.for_model(model_type, **hf_overrides)
-        except (ValueError, KeyError) as exc:
-            raise ValueError(f"model {model!r}: transformers has no model type {model_type!r} ({exc})") from None
+        except Exception as exc:  # noqa: BLE001  (transformers' strict-dataclass and config errors)
+            first = str(exc).strip().splitlines()
+            raise ValueError(
+                f"--hf overrides {hf_overrides!r} for {model!r}: {' '.join(x.strip() for x in first)}"
+            ) from None
         return (lambda: HFCausalLM(AutoModelForCausalLM.from_config(config))), config.vocab_size
     preset = get_preset(model)
     if preset.max_seq_len is not None and seq_len > preset.max_seq_len:
@@ -467,6 +504,67 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def parse_hf_overrides(items: list[str], model: str) -> dict:
+    """``--hf KEY=VALUE`` items as a config-override dict for an ``hf:<model_type>`` model.
+
+    A value reads as an int (``12``, ``-1``), a float (``1e-5``), ``true``/``false``, ``none``,
+    else a string. The config checks each value's type when it is built (:func:`model_builder`).
+
+    Raises:
+        ValueError: an item without ``=`` or with an empty key, a key given twice, or any
+            ``--hf`` with a model that is not ``hf:`` (a preset has no transformers config, so the
+            overrides would be silently ignored).
+    """
+    if items and not str(model).startswith("hf:"):
+        raise ValueError(
+            f"--hf {items[0]!r}: overrides apply to hf:<model_type> models only, not --model {model!r} "
+            "(a preset's sizes are fixed; pick another preset or hf:<model_type>)"
+        )
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--hf {item!r}: expected KEY=VALUE, e.g. --hf num_hidden_layers=4")
+        if key in out:
+            raise ValueError(f"--hf {item!r}: {key!r} is given twice")
+        out[key] = _hf_value(value.strip())
+    return out
+
+
+def _hf_value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+# Options whose value may start with "-" (a negative size is refused with a clear error, not
+# taken by argparse for an unknown option): "--budgets -5GiB" is read as "--budgets=-5GiB".
+_VALUE_OPTIONS = ("--budgets", "--device-memory", "--min-offload-bytes", "--hf", "--host-bandwidth")
+
+
+def _glue_values(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in _VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] != "--":
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--world" or a.startswith("--world=") for a in argv):
@@ -534,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--world", type=int, default=None, help="plan a layout for N GPUs instead (see: plan --world N --help)"
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_glue_values(argv))
 
     from rich.console import Console
     from rich.table import Table
@@ -566,12 +664,7 @@ def main(argv: list[str] | None = None) -> int:
         share = TrinityOptions.from_user(
             {"offload": "all", "inner": "eager", "optimizer_on_device": args.optimizer_on_device}, env={}
         ).optimizer_on_device
-        overrides = {}
-        for item in args.hf:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"--hf {item!r}: expected KEY=VALUE")
-            overrides[key] = int(value) if value.isdigit() else value
+        overrides = parse_hf_overrides(args.hf, args.model)
         result = plan_model(
             args.model,
             spec,
@@ -651,14 +744,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     console.print(table)
     best = result.within_5_percent()
+    ref_name = (
+        "the no-offload step"
+        if result.offload == "activations"
+        else f"the fastest planned step with --offload {result.offload}"
+    )
     if best is not None:
         console.print(
-            f"smallest budget within 5% of the no-offload step: [bold]{best.budget}[/bold] = "
+            f"smallest budget within 5% of {ref_name}: [bold]{best.budget}[/bold] = "
             f"{format_bytes(best.budget_bytes)} (peak {format_bytes(best.planned_peak_bytes)}, step "
             f"{best.predicted_step_seconds * 1e3:.1f} ms)"
         )
     else:
-        console.print("no budget in the list keeps the predicted step within 5% of the no-offload step")
+        console.print(f"no budget in the list keeps the predicted step within 5% of {ref_name}")
     lowest = min(r.lowest_reachable_bytes for r in result.rows)
     if lowest > spec.memory_bytes:
         console.print(

@@ -43,6 +43,9 @@ class MeasuredCorrection:
         total_margin_bytes: the sum of :attr:`margins`' bytes.
         replans: how many times the pair was planned again (1 or 2).
         method: how the steps were measured (``"cpu-allocator-trace"``, ``"cuda-allocator-trace"``).
+        reuse_count: the runs of the pair alive at once in one step that the measured step showed
+            and the current plan covers (1: the pair runs once at a time; see
+            :class:`~offload_compiler.step_budget.StepReuse`).
     """
 
     first_measured_peak_bytes: int
@@ -51,6 +54,7 @@ class MeasuredCorrection:
     total_margin_bytes: int
     replans: int
     method: str
+    reuse_count: int = 1
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,21 @@ class TrinityReport:
             rewritten.
         peak_step_planned: the joint-schedule step (forward nodes, then backward nodes, as
             planned before the rewrite) where the planned peak is.
+        reuse_count: the runs of this pair alive at once in one training step that the plan
+            covers: N for a block graph run by N blocks (``F1 .. FN BN .. B1``), measured by the
+            runtime check of the first step, which plans the pair again for them; 1 before that
+            (the compile happens at the first block's call). The budget then covers the N runs:
+            ``peak_bytes_planned`` is the last run's own peak plus what the earlier runs and the
+            rest of the step hold.
+        reuse_measured: the reuse count the runtime check measured (``None``: not measured yet,
+            or ``runtime_check="off"``); above ``reuse_count`` where the pair was not planned
+            again (``runtime_check="measure"``, parameter offload).
+        reuse_held_bytes: the saved activations the ``reuse_count - 1`` earlier runs keep on the
+            device while the last run runs, under this plan.
+        held_bytes: what the rest of the step holds while this pair runs, as planned: the step
+            ledger's holdings (:mod:`offload_compiler.step_budget`) and, with ``reuse_count`` >
+            1, the earlier runs' inputs and parameters and the other pairs' runs beside it
+            (``reuse_held_bytes`` not included).
     """
 
     graph_id: int
@@ -158,6 +177,10 @@ class TrinityReport:
     decisions: tuple[tuple[str, int, str], ...] = ()
     fits_without_plan: bool = False
     peak_step_planned: int | None = None
+    reuse_count: int = 1
+    reuse_measured: int | None = None
+    reuse_held_bytes: int = 0
+    held_bytes: int = 0
 
     @classmethod
     def from_plan(
@@ -180,7 +203,7 @@ class TrinityReport:
         ``fields``: further fields as they are (e.g. the joint planner's ``strategy``,
         ``recompute``, ``decisions``, ``fits_without_plan``)."""
         act, pred, live = plan.activations, plan.predictions, plan.activation_liveness
-        extra = plan.model_state.resident_bytes
+        extra = plan.model_state.resident_bytes + plan.reuse_held_bytes
         planned = plan.verified_peak_bytes + extra if plan.verified_peak_bytes is not None else pred.planned_peak_bytes
         residency = plan.residency
         return cls(
@@ -208,6 +231,9 @@ class TrinityReport:
             device_name=plan.costs.device.name,
             size_bounds=size_bounds,
             peak_step_planned=act.peak_step_planned,
+            reuse_count=plan.model_state.reuse_count,
+            reuse_held_bytes=plan.reuse_held_bytes,
+            held_bytes=plan.model_state.held_bytes,
             streams=tuple(
                 (name, p.used_streams, p.num_events, p.seconds, p.single_stream_seconds)
                 for name, p in plan.stream_plans.items()
@@ -342,11 +368,25 @@ class TrinityReport:
         if self.not_offloaded:
             kept = "; ".join(f"{node!r}: {why}" for node, why in self.not_offloaded)
             lines.append(f"  kept       {len(self.not_offloaded)} saved tensors on the device: {kept}")
+        runs = max(self.reuse_count, self.reuse_measured or 1)
+        if runs > 1:
+            if self.reuse_count == runs:
+                covers = (
+                    f"the budget covers the {runs} runs: the {runs - 1} earlier runs keep "
+                    f"{format_bytes(self.reuse_held_bytes)} of saved activations while the last runs, the rest of "
+                    f"the step holds {format_bytes(self.held_bytes)}"
+                )
+            else:
+                covers = f"the plan covers {self.reuse_count} run(s) at a time; not planned again"
+            lines.append(f"  reuse      run {runs} times per step (measured in the first step); {covers}")
         if self.measured_peak_bytes is not None:
-            over = self.budget_bytes is not None and self.measured_peak_bytes > self.budget_bytes
+            # The measurement is of the pair's own run: its share is what the rest leaves.
+            share = None if self.budget_bytes is None else self.budget_bytes - self.held_bytes - self.reuse_held_bytes
+            over = share is not None and self.measured_peak_bytes > share
             lines.append(
                 f"  measured   {format_bytes(self.measured_peak_bytes)} peak in the first measured step "
-                f"(planned {format_bytes(self.peak_bytes_planned)})" + ("; above the budget" if over else "")
+                f"(planned {format_bytes(self.peak_bytes_planned - self.held_bytes - self.reuse_held_bytes)} for "
+                "its own run)" + ("; above its share of the budget" if over else "")
             )
         if self.correction is not None:
             c = self.correction
@@ -354,8 +394,10 @@ class TrinityReport:
             where = ", ".join(f"{node} ({op}) +{format_bytes(b)}" for node, op, b in top)
             lines.append(
                 f"  corrected  planned {c.replans}x more after measuring {format_bytes(c.first_measured_peak_bytes)} "
-                f"(planned {format_bytes(c.first_planned_peak_bytes)}): workspace margins at {len(c.margins)} "
-                f"nodes, {format_bytes(c.total_margin_bytes)} in all" + (f" ({where})" if where else "")
+                f"(planned {format_bytes(c.first_planned_peak_bytes)}): "
+                + (f"{c.reuse_count} runs per step, " if c.reuse_count > 1 else "")
+                + f"workspace margins at {len(c.margins)} nodes, {format_bytes(c.total_margin_bytes)} in all"
+                + (f" ({where})" if where else "")
             )
         if self.fallback_reason:
             lines.append(f"  fallback   {self.fallback_reason}")

@@ -26,6 +26,21 @@ the whole step within the budget. :class:`StepLedger` keeps those holdings; the 
 pair with them (``ModelState.held_bytes`` comes off the pair's budget) and records the result
 (:meth:`StepLedger.record`).
 
+**A pair run N times per step.** A block graph reused by identical blocks (FSDP2's per-block
+compile, ``fully_shard(block); block.compile(...)``, or any ``block.compile()`` /
+``torch.compile(block)`` of identical blocks: Dynamo compiles it once and every block runs the
+same code) runs ``F1 .. FN BN .. B1`` in one step. While run ``i`` runs, the runs before it hold
+what they keep for their backward, so the worst is the last: its own peak plus ``N - 1`` times
+the saved activations one run keeps (and the earlier runs' inputs, and their parameters where
+they stay allocated). The compile happens at the first block's call, when ``N`` is unknown: the
+runtime check of the first step (``step_check.py``) counts the runs of the pair alive at once
+and what other trinity pairs' runs outside its ledger hold beside its last run
+(:class:`StepReuse`), and, when that is more than the plan assumed, plans the pair again with it
+as a planning input (``ModelState.reuse_count``, ``pipeline.plan_pair``), so that own peak +
+``(N - 1)`` x kept + what the others hold is within the budget. A percentage is then of the
+step's unplanned peak: the pair's own plus ``N - 1`` unplanned runs' kept saved activations plus
+the others'. Later pairs of the same ledger see all ``N`` runs' kept activations and inputs.
+
 **Percentages** (``"50%"``) are of the step's peak without offloading: the largest, over the
 pairs compiled so far, of the pair's own unplanned peak plus what the others hold unplanned (the
 earlier pairs' saved activations all kept). A pair compiled before the step's last pair sees a
@@ -37,23 +52,29 @@ planned step peak against the final budget, and refuses there (``on_infeasible="
 warns.
 
 **Where the ledger lives**: on the DDP module under DDP, else on the outermost module that owns
-the pair's parameters (the compiled model; after a graph break, the resumed frame's ``self``),
-or, when a module running further up the Python stack contains that one (a graph break inside
-a nested call makes Dynamo compile the inner module's frame on its own: Hugging Face's
-``LlamaModel`` inside ``LlamaForCausalLM``), the outermost such module; the ledger is then also
-set on the inner module, so both sides of the break share it.
-Pairs are identified by the frame's code object and their split index, so a recompile of a
-frame (another input shape) replaces that pair's entry. A pair whose parameters no module owns
-(a function of tensors) is planned alone, as before.
+the pair's parameters (the compiled model; after a graph break, the resumed frame's ``self``; for
+a per-block compile, the block whose call compiled the pair), or, when a module running further
+up the Python stack contains that one (a graph break inside a nested call makes Dynamo compile the
+inner module's frame on its own: Hugging Face's ``LlamaModel`` inside ``LlamaForCausalLM``; a
+block compiled on its own, called by its model), the outermost such module; the ledger is then
+also set on the inner module, so both sides of the break share it. Pairs are identified by the
+frame's code object and their split index, so a recompile of a frame (another input shape)
+replaces that pair's entry, unless the entry's pair has a run alive among the new pair's inputs'
+autograd ancestors (the first block's own graph, whose input needs no gradient, and the graph
+the other blocks run: both are one step). A pair whose parameters no module owns (a function of
+tensors) is planned alone, as before. :func:`step_report` of a model whose blocks were compiled
+one by one and run outside any module gathers the blocks' ledgers.
 
 **What it does not cover** (see README "Distributed"): memory outside the compiled graphs (eager
-code between them, the optimizer's state, FSDP2's all-gather buffers); a block graph that runs
-several times per step (FSDP2 per-block compile, a reused ``block.compile()``: each run is planned
-as if it were the step's only one); pairs that do not run in compile order; earlier pairs are
-never replanned when a later one cannot fit (it is refused or warned about like any infeasible
-budget); under gradient accumulation, the pair's own gradients from the earlier micro-step;
-and ``memory_budget="auto"``, which is the free device memory at each pair's compile
-(what the others already hold is not free), without the ledger's holdings.
+code between them, the optimizer's state, FSDP2's all-gather and reduce-scatter buffers; FSDP2's
+sharded parameters and gradients count as their local shards); pairs that do not run in compile order (except the runs of other pairs that
+the first step's check sees beside a pair's run); a reused pair's ``N`` is what the first
+measured step showed (a step with more runs later is not seen), and it is replanned only with
+``runtime_check="replan"`` (the default) and ``offload="activations"``; earlier pairs are never
+replanned when a later one cannot fit (it is refused or warned about like any infeasible
+budget); under gradient accumulation, the pair's own gradients from the earlier micro-step; and
+``memory_budget="auto"``, which is the free device memory at each pair's compile (what the
+others already hold is not free), without the ledger's holdings.
 """
 
 from __future__ import annotations
@@ -67,9 +88,56 @@ import torch
 
 from .options import format_bytes
 
-__all__ = ["PairHolding", "StepLedger", "StepPair", "StepReport", "join_step", "step_report"]
+__all__ = ["PairHolding", "StepLedger", "StepPair", "StepReport", "StepReuse", "join_step", "step_report"]
 
 LEDGER_ATTR = "_trinity_step_ledger"
+
+
+@dataclass(frozen=True)
+class StepReuse:
+    """How many runs of one compiled pair are alive at once in a training step, and what else is
+    held beside its last run: measured by the runtime check of the first step
+    (:mod:`offload_compiler.step_check`), a planning input (``ModelState.reuse_count``).
+
+    Attributes:
+        runs: the reuse count N: runs of the pair whose forward has run and whose backward has not
+            (and whose autograd graph is alive), at the forward of its last run, that run
+            included (4 for one block graph run by 4 blocks, ``F1 .. F4 B4 .. B1``).
+        held_bytes: device bytes held while that run runs besides the N - 1 earlier runs' kept
+            saved activations (which the plan decides): the earlier runs' inputs other than
+            parameters, the parameters that the other runs read and that are still allocated,
+            with their gradients (counted whether or not they exist yet: conservative, as the
+            ledger counts gradients), and the runs of other trinity pairs that the step ledger
+            does not count (their kept saved activations and inputs, under their plans).
+        held_unplanned_bytes: the same with the other pairs' saved activations all kept.
+    """
+
+    runs: int = 1
+    held_bytes: int = 0
+    held_unplanned_bytes: int = 0
+
+    def __post_init__(self):
+        if self.runs < 1:
+            raise ValueError(f"StepReuse.runs must be >= 1, got {self.runs}")
+        for name in ("held_bytes", "held_unplanned_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"StepReuse.{name} must be >= 0, got {getattr(self, name)}")
+
+    def merged(self, other: StepReuse | None) -> StepReuse:
+        """The larger of each figure (what either measured step showed)."""
+        if other is None:
+            return self
+        return StepReuse(
+            max(self.runs, other.runs),
+            max(self.held_bytes, other.held_bytes),
+            max(self.held_unplanned_bytes, other.held_unplanned_bytes),
+        )
+
+    def exceeds(self, other: StepReuse | None, slack_bytes: int = 0) -> bool:
+        """Whether this holds more than ``other`` (``None``: one run, nothing held) by more than
+        ``slack_bytes``."""
+        other = other or StepReuse()
+        return self.runs > other.runs or self.held_bytes > other.held_bytes + slack_bytes
 
 
 @dataclass(frozen=True)
@@ -84,11 +152,15 @@ class PairHolding:
         param_bytes: device bytes of the parameters it reads.
         input_bytes: device bytes of its other inputs (held while later pairs run).
         held_bytes: what the step's other pairs and model state held while it runs, as planned
-            against (:meth:`StepLedger.holdings`).
+            against (:meth:`StepLedger.holdings`), and with ``runs`` > 1 what its own earlier runs
+            and the other pairs' runs the first step showed beside it hold (:class:`StepReuse`).
         held_unplanned_bytes: the same with nothing offloaded.
         own_unplanned_peak_bytes / own_planned_peak_bytes: the pair's own peak (its liveness)
             without and with its plan.
         budget_bytes: the step's budget it was planned against (``None``: no limit).
+        runs: the runs of the pair alive at once in one step that its plan covers (the reuse
+            count N of a block graph run by N blocks; 1 until the first step's check measured
+            more, :class:`StepReuse`).
     """
 
     label: str
@@ -101,10 +173,12 @@ class PairHolding:
     own_unplanned_peak_bytes: int
     own_planned_peak_bytes: int
     budget_bytes: int | None
+    runs: int = 1
 
     @property
     def step_peak_bytes(self) -> int:
-        """The step's predicted peak while this pair runs (own planned peak + held)."""
+        """The step's predicted peak while this pair (its last run, with ``runs`` > 1) runs (own
+        planned peak + held)."""
         return self.own_planned_peak_bytes + self.held_bytes
 
     @property
@@ -140,8 +214,14 @@ class StepReport:
             f"{format_bytes(self.predicted_peak_bytes)} (unplanned {format_bytes(self.unplanned_peak_bytes)})"
         ]
         for p in self.pairs:
+            runs = (
+                f" [run {p.runs} times per step: the budget covers the {p.runs} runs, the others' held bytes "
+                f"include {p.runs - 1} earlier runs']"
+                if p.runs > 1
+                else ""
+            )
             lines.append(
-                f"  {p.label}: own peak {format_bytes(p.own_planned_peak_bytes)} "
+                f"  {p.label}{runs}: own peak {format_bytes(p.own_planned_peak_bytes)} "
                 f"(unplanned {format_bytes(p.own_unplanned_peak_bytes)}), keeps "
                 f"{format_bytes(p.kept_bytes)} of saved activations for its backward and "
                 f"{format_bytes(p.input_bytes)} of inputs, reads "
@@ -151,7 +231,17 @@ class StepReport:
         return "\n".join(lines)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's sharded parameters), else ``t``. Read as the attribute,
+    not ``to_local()``: that dispatches an op, which the compile's fake mode refuses on a real
+    tensor."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def _nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` on its rank (a DTensor's local shard)."""
+    t = _local(t)
     return t.numel() * t.element_size()
 
 
@@ -180,9 +270,10 @@ class StepLedger:
     def entries(self) -> tuple[PairHolding, ...]:
         return tuple(self._entries.values())
 
-    def _model_state_bytes(self, own: set[int], offload: str) -> tuple[int, int]:
+    def _model_state_bytes(self, own: set[int], offload: str, device: torch.device | None = None) -> tuple[int, int]:
         """(parameters, gradients) of the model held on the device outside a pair reading ``own``
-        (parameter ids)."""
+        (parameter ids): a DTensor's local shard (FSDP2), and, with ``device``, only parameters
+        there (not FSDP2's ``CPUOffloadPolicy`` host copies on a GPU run)."""
         from .runtime.model_state import SLOT_ATTR
 
         root = self._root()
@@ -194,6 +285,8 @@ class StepLedger:
             if id(p) in seen or id(p) in own:
                 continue
             seen.add(id(p))
+            if device is not None and _local(p).device != device:
+                continue
             slotted = getattr(p, SLOT_ATTR, None) is not None
             if not slotted:
                 params += _nbytes(p)
@@ -208,7 +301,9 @@ class StepLedger:
         ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
         return sum(_nbytes(p) for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored)
 
-    def holdings(self, key: Any, own_params: set[int], offload: str) -> tuple[int, int, int]:
+    def holdings(
+        self, key: Any, own_params: set[int], offload: str, device: torch.device | None = None
+    ) -> tuple[int, int, int]:
         """What the step holds on the device outside pair ``key`` while it runs, in bytes:
         ``(planned, unplanned, step unplanned peak so far)``. ``planned`` counts the earlier
         pairs' kept saved activations under their plans, ``unplanned`` all their saved
@@ -219,18 +314,39 @@ class StepLedger:
             if k == key:
                 break
             earlier.append(e)
-        params, grads = self._model_state_bytes(own_params, offload)
+        params, grads = self._model_state_bytes(own_params, offload, device)
         base = params + grads + self._bucket_bytes()
-        inputs = sum(e.input_bytes for e in earlier)
+        # An earlier pair run N times per step (a reused block graph) holds N runs' worth.
+        inputs = sum(e.input_bytes * e.runs for e in earlier)
         return (
-            base + inputs + sum(e.kept_bytes for e in earlier),
-            base + inputs + sum(e.kept_unplanned_bytes for e in earlier),
+            base + inputs + sum(e.kept_bytes * e.runs for e in earlier),
+            base + inputs + sum(e.kept_unplanned_bytes * e.runs for e in earlier),
             max((e.step_unplanned_peak_bytes for e in earlier), default=0),
         )
 
     def record(self, key: Any, holding: PairHolding) -> None:
         """Enter (or replace, keeping its place) pair ``key``'s holding."""
         self._entries[key] = holding
+
+    def counts(self, key: Any, holding: PairHolding | None, before: Any) -> bool:
+        """Whether the holdings of pair ``before`` count pair ``key``'s ``holding``: it is the
+        entry recorded for ``key`` now (not replaced by a recompile of its frame) and ``key``
+        comes before ``before``."""
+        if holding is None or self._entries.get(key) is not holding:
+            return False
+        for k in self._entries:
+            if k == before:
+                return False
+            if k == key:
+                return True
+        return False
+
+    def parameter_ids(self) -> set[int]:
+        """Ids of the model's parameters. The holdings of a pair count every one of them outside
+        the pair (:meth:`holdings`); a run of a reused block graph reads other blocks' parameters
+        than the compile's, of the same bytes, so all of them are counted for any run."""
+        root = self._root()
+        return set() if root is None else {id(p) for p in root.parameters()}
 
     def report(self) -> StepReport:
         entries = self.entries
@@ -264,6 +380,8 @@ class StepPair:
         split: ``(index, count)`` of a DDP split, else ``None``.
         graph_break: Dynamo compiles the frame's graph because of a graph break: more pairs of
             the step follow (the code after the break).
+        compiled_alone: the module owning its parameters was compiled on its own
+            (``module.compile()``: a block that identical blocks may run the graph of).
     """
 
     ledger: StepLedger
@@ -272,6 +390,7 @@ class StepPair:
     params: dict[int, torch.nn.Parameter]
     split: tuple[int, int] | None = None
     graph_break: bool = False
+    compiled_alone: bool = False
 
     @property
     def more_coming(self) -> bool:
@@ -280,7 +399,8 @@ class StepPair:
         return self.graph_break or (self.split is not None and self.split[0] < self.split[1] - 1)
 
     def holdings(self, offload: str) -> tuple[int, int, int]:
-        return self.ledger.holdings(self.key, set(self.params), offload)
+        device = next((_local(p).device for p in self.params.values()), None)
+        return self.ledger.holdings(self.key, set(self.params), offload, device)
 
     def record(self, plan, held: tuple[int, int, int]) -> PairHolding:
         """Record ``plan`` (a :class:`~offload_compiler.pipeline.PairPlan`, after the rewrites)
@@ -302,6 +422,7 @@ class StepPair:
             own_unplanned_peak_bytes=live.peak_bytes,
             own_planned_peak_bytes=own_planned,
             budget_bytes=plan.step_budget_bytes,
+            runs=plan.model_state.reuse_count,
         )
         self.ledger.record(self.key, holding)
         return holding
@@ -317,17 +438,9 @@ def input_bytes(live) -> int:
 def kept_saved_bytes(live, evicted: set[int]) -> int:
     """Device bytes of saved activations (and of the inner compiler's layout copies saved in place of
     inputs) alive across the forward/backward boundary of ``live`` (a
-    :class:`~offload_compiler.passes.liveness.Liveness`), leaving out buffer ids ``evicted``."""
-    from .passes.liveness import BufferKind
-
-    boundary = live.num_fw_steps - 1
-    total = 0
-    for b in live.buffers:
-        if not b.on_device or b.fused or b.kind not in (BufferKind.SAVED, BufferKind.LAYOUT_COPY) or b.id in evicted:
-            continue
-        if any(first <= boundary < last for first, last in b.intervals()):
-            total += b.size_bytes
-    return total
+    :class:`~offload_compiler.passes.liveness.Liveness`), leaving out buffer ids ``evicted``
+    (:attr:`~offload_compiler.passes.liveness.Liveness.boundary_saved`)."""
+    return sum(size for bid, size in live.boundary_saved.items() if bid not in evicted)
 
 
 def _ddp_split_position() -> tuple[int, int] | None:
@@ -384,12 +497,11 @@ def _enclosing_module(module: torch.nn.Module) -> torch.nn.Module:
 def join_step(gm, example_inputs, engine) -> StepPair | None:
     """The :class:`StepPair` of the pair being compiled from ``gm`` (a Dynamo graph), or
     ``None`` when it is not part of a model's step (no module owns its parameters, or it is
-    compiled outside Dynamo) or runs under FSDP2 (a block graph run several times per step,
-    not covered: module docstring)."""
+    compiled outside Dynamo). Under FSDP2 (per-block compile) the ledger is the block's: the
+    block graph's runs by the other blocks are measured by the runtime check (module
+    docstring)."""
     from .param_offload import owning_roots, real_parameters
 
-    if engine.kind == "fsdp2":
-        return None
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -417,14 +529,58 @@ def join_step(gm, example_inputs, engine) -> StepPair | None:
     split = _ddp_split_position() if ddp is not None else None
     index = split[0] if split is not None else 0
     label = code.co_name + (f" (DDP split {index} of {split[1]})" if split is not None else "")
-    return StepPair(ledger, (code, index), label, {id(p): p for p in params.values()}, split, graph_break)
+    key = (code, index)
+    if ddp is None:
+        # Another graph of the same frame whose run is alive among this one's inputs' ancestors
+        # is the same step's (the first block's own graph): a second entry, not a replacement.
+        alive = _alive_keys(example_inputs, ledger)
+        k = 1
+        while key in alive:
+            key = (code, index, k)
+            k += 1
+        if k > 1:
+            label += f" (graph {k} of the frame)"
+    alone = ddp is None and getattr(roots[0], "_compiled_call_impl", None) is not None
+    return StepPair(ledger, key, label, {id(p): p for p in params.values()}, split, graph_break, alone)
+
+
+def _alive_keys(example_inputs, ledger: StepLedger) -> set:
+    """Ledger keys of the pairs of ``ledger`` with a run alive (forward run, backward not yet)
+    among the autograd ancestors of ``example_inputs`` (the real inputs Dynamo compiles with)."""
+    from .step_check import runs_before
+
+    try:
+        runs = runs_before(example_inputs)
+    except Exception:  # noqa: BLE001  (fake inputs, or a graph that cannot be walked: none known)
+        return set()
+    return {r.session.step.key for r in runs if r.session.step is not None and r.session.step.ledger is ledger}
 
 
 def step_report(module: torch.nn.Module) -> StepReport | None:
     """The training step's :class:`StepReport` for ``module`` (the model given to
-    ``torch.compile``, or its DDP wrapper), or ``None`` before any of its pairs compiled."""
+    ``torch.compile``, or its DDP wrapper), or ``None`` before any of its pairs compiled.
+
+    For a model whose blocks were compiled one by one (``block.compile()``, FSDP2's per-block
+    compile) the ledgers are the blocks' (where each pair compiled): the report gathers those of
+    ``module``'s submodules, in module order, with each pair's held bytes as planned (a reused
+    block graph's include its earlier runs and the other blocks' pairs that its first step showed
+    beside it)."""
     for m in (module, getattr(module, "module", None), getattr(module, "_orig_mod", None)):
         ledger = getattr(m, LEDGER_ATTR, None) if m is not None else None
         if isinstance(ledger, StepLedger):
             return ledger.report()
-    return None
+    ledgers = []
+    for m in module.modules():
+        ledger = getattr(m, LEDGER_ATTR, None)
+        if isinstance(ledger, StepLedger) and ledger.belongs_to(m) and ledger.entries and ledger not in ledgers:
+            ledgers.append(ledger)
+    if not ledgers:
+        return None
+    reports = [ledger.report() for ledger in ledgers]
+    budgets = [r.budget_bytes for r in reports]
+    return StepReport(
+        budget_bytes=None if None in budgets else max(budgets),
+        predicted_peak_bytes=max(r.predicted_peak_bytes for r in reports),
+        unplanned_peak_bytes=max(r.unplanned_peak_bytes for r in reports),
+        pairs=tuple(p for r in reports for p in r.pairs),
+    )

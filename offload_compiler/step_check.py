@@ -37,8 +37,28 @@ the measured peak is too (``runtime_check="replan"``), the pair is planned again
 at each node of the same op key, in the same per-node accounting as ``liveness._WORKSPACE``, and
 the budget stays the bytes the first plan resolved. The new plan's first step is measured again;
 at most :data:`MAX_REPLANS` replans. A measured peak above the budget that no op's workspace
-explains (a ``retain_graph`` backward keeps every saved tensor to its end; two forwards before
-their backwards) is reported and warned about, not replanned: margins would not change it.
+explains (a ``retain_graph`` backward keeps every saved tensor to its end) is reported and warned
+about, not replanned: margins would not change it.
+
+**Runs per step.** The same compiled pair can run several times before its first backward: a
+block graph that identical blocks run (FSDP2's per-block compile, ``block.compile()``: ``F1 .. FN
+BN .. B1``), or two forwards before one backward. Each forward keeps its run on its
+``CompiledFunctionBackward`` node (:class:`_Run`, ended by a hook when its backward runs, gone
+with the autograd graph). From the measured forward to its backward (the measuring window; the
+pair's further forwards before any backward are its runs in the same step, not a stale
+measurement) every forward of the pair records what it has beside it (:func:`observe_reuse`):
+the pair's own runs alive in the window (the reuse count N), and the runs of other checked pairs
+among the autograd ancestors of its inputs (the same step's earlier pairs, such as the first
+block's own graph, whose input needs no gradient) that the step ledger does not count, with their
+kept saved activations, inputs and the parameters still allocated. When that is more than the
+plan assumed (a :class:`~offload_compiler.step_budget.StepReuse`), the pair is planned again, by
+the same recompile, with it as a planning input: the planner then meets own peak + (N - 1) x kept
++ held <= budget (``earlier_runs`` in :mod:`.passes.plan_window` and :mod:`.passes.plan_recompute`),
+and a percentage is of that step's unplanned peak. The measurement itself stays that of the
+measured run (the others' memory is the plan's held bytes). A percentage that a module compiled on
+its own cannot reach for one run waits for this (``CompileSession.provisional``): it is refused
+(or warned about) only when the first step shows no more runs, and for the first block's own
+graph only when its planned peak is above the budget of the reused graph's step too.
 
 How a replan takes effect, and why this way. The plan is made inside the partitioner, at compile
 time, from Dynamo's graph. Three ways were weighed:
@@ -63,9 +83,10 @@ time, from Dynamo's graph. Three ways were weighed:
    measured workspace breaks the budget.
 
 So the first step of a plan whose measurement breaks the budget is itself above it: the check
-finds the miss, it cannot undo it. Not measured: a call while a profiler is already on (measured
-at a later step instead), forwards without a backward. Not replanned: parameter offload
-(``offload`` other than ``"activations"``; measured and reported only). With dynamic shapes the
+finds the miss, it cannot undo it (for a reused block graph too: the first step runs the plan made
+for one run). Not measured: a call while a profiler is already on (measured at a later step
+instead), forwards without a backward. Not replanned: parameter offload (``offload`` other than
+``"activations"``; measured and reported only, a reused pair warned about). With dynamic shapes the
 margins are the bytes measured at the first sizes. A backward that raises on a CUDA device thread
 leaves that thread's profiler session open (on the CPU it is closed at the next call).
 """
@@ -76,6 +97,7 @@ import dataclasses
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -399,13 +421,15 @@ def _flat_tensors(args) -> list[torch.Tensor]:
 
 def _backward_node(out) -> Any:
     """The ``CompiledFunctionBackward`` node behind the outputs of a compiled forward, or ``None``."""
-    stack = []
+    from collections import deque
+
+    stack = deque()
     for t in out if isinstance(out, (list, tuple)) else [out]:
         if isinstance(t, torch.Tensor) and t.grad_fn is not None:
             stack.append((t.grad_fn, 0))
     seen = set()
     while stack:
-        fn, depth = stack.pop()
+        fn, depth = stack.popleft()  # the shallowest first: this run's, not an input's run's
         if fn is None or id(fn) in seen or depth > 8:
             continue
         seen.add(id(fn))
@@ -413,6 +437,104 @@ def _backward_node(out) -> Any:
             return fn
         stack.extend((nxt, depth + 1) for nxt, _ in fn.next_functions)
     return None
+
+
+# ------------------------------------------------------------------------------ runs of a step
+
+_RUN_ATTR = "_trinity_run"
+# Autograd nodes the walk from a run's inputs visits at most (it finds the earlier runs of the
+# step: ancestors of the inputs); a larger graph is walked this far.
+_MAX_WALK_NODES = 200_000
+
+
+class _Run:
+    """One run of a checked pair (a forward call whose output has a backward node), kept on its
+    ``CompiledFunctionBackward`` node (attribute ``_trinity_run``): it lives as long as the
+    autograd graph, and ``ended`` is set when its backward has run."""
+
+    __slots__ = ("checker", "session", "params", "ended")
+
+    def __init__(self, checker, session, params: tuple):
+        self.checker = checker
+        self.session = session
+        self.params = params  # weak references to the parameter inputs of this run
+        self.ended = False
+
+
+def runs_before(args) -> list[_Run]:
+    """The runs of checked pairs among the autograd ancestors of ``args`` whose backward has not
+    run: the pairs whose outputs this call reads, directly or through other code (earlier blocks,
+    earlier DDP splits, the graph before a graph break), in the same step."""
+    from collections import deque
+
+    stack = deque(a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None)
+    seen: set[int] = set()
+    found = []
+    while stack and len(seen) < _MAX_WALK_NODES:
+        fn = stack.popleft()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        run = getattr(fn, _RUN_ATTR, None)
+        if isinstance(run, _Run) and not run.ended:
+            found.append(run)
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return found
+
+
+def _counted_by_ledger(step, run: _Run) -> bool:
+    """Whether the step ledger of ``step`` (a :class:`~offload_compiler.step_budget.StepPair`)
+    already counts ``run``'s pair among the holdings it planned ``step``'s pair with."""
+    other = run.session.step
+    if step is None or other is None or other.ledger is not step.ledger:
+        return False
+    return step.ledger.counts(other.key, run.session.step_holding, step.key)
+
+
+def observe_reuse(session, earlier: list[_Run], others: list[_Run], params: tuple[torch.Tensor, ...]):
+    """The :class:`~offload_compiler.step_budget.StepReuse` that one run of a pair (planned in
+    ``session``, reading ``params``) has beside it: ``earlier``, the pair's own runs alive at its
+    forward, count as runs (their inputs as held bytes); ``others``, other pairs' runs alive that
+    its step ledger does not count, add their kept saved activations and inputs (under their
+    plans); the parameters the other runs read that are still allocated (not the ones this run
+    reads nor the model's, which the ledger counts) add their storage bytes, twice where they
+    require a gradient (the gradient, counted conservatively as the ledger does)."""
+    from .step_budget import StepReuse
+
+    step = session.step
+    others = [r for r in others if not _counted_by_ledger(step, r)]
+    held = held_unplanned = 0
+    for r in earlier:
+        held += r.session.run_bytes[2]
+        held_unplanned += r.session.run_bytes[2]
+    for r in others:
+        kept, kept_unplanned, inputs = r.session.run_bytes
+        held += kept + inputs
+        held_unplanned += kept_unplanned + inputs
+    skip = step.ledger.parameter_ids() if step is not None else set()
+    seen = set()
+    for t in params:
+        try:
+            seen.add(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
+            pass
+    for r in earlier + others:
+        for ref in r.params:
+            t = ref()
+            if t is None or id(t) in skip:
+                continue
+            try:
+                storage = t.untyped_storage()
+                size, ptr = storage.nbytes(), storage.data_ptr()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if size == 0 or ptr in seen:  # freed (FSDP2 reshards after the forward) or counted
+                continue
+            seen.add(ptr)
+            size *= 2 if t.requires_grad else 1
+            held += size
+            held_unplanned += size
+    return StepReuse(len(earlier) + 1, held, held_unplanned)
 
 
 # ------------------------------------------------------------------------------ the wrapper
@@ -425,16 +547,17 @@ class CheckedCompile:
         compiled: the compiled function of one backend call (AOTAutograd's, Inductor's).
         session: its :class:`~offload_compiler.pipeline.CompileSession` (the report, the planned
             accounting, the runtime).
-        recompile: ``margins -> compiled function`` (the backend compiled again with the margins;
-            its session is read from the function, see :func:`session_of`), or ``None`` where
-            replanning is not supported (the check then measures and reports only).
+        recompile: ``(margins, reuse) -> compiled function`` (the backend compiled again with the
+            margins and the measured :class:`~offload_compiler.step_budget.StepReuse`; its session
+            is read from the function, see :func:`session_of`), or ``None`` where replanning is
+            not supported (the check then measures and reports only).
         mode: ``"replan"`` or ``"measure"`` (``TrinityOptions.runtime_check``).
 
     Calls pass their arguments to the current compiled function unchanged.
 
     Raises (from a call that replans):
-        offload_compiler.pipeline.InfeasibleBudgetError: when, with the measured workspace, no plan
-            reaches the budget and ``on_infeasible="error"``.
+        offload_compiler.pipeline.InfeasibleBudgetError: when, with the measured workspace or the
+            measured runs per step, no plan reaches the budget and ``on_infeasible="error"``.
     """
 
     def __init__(self, compiled: Callable, session, recompile: Callable | None, mode: str):
@@ -446,10 +569,25 @@ class CheckedCompile:
         self._retired: list = []
         self._margins: WorkspaceMargins | None = None
         self._first: tuple[int, int] | None = None  # (measured, planned) of the first plan
+        self._base_peak = session.own_unplanned_peak_bytes if session is not None else None
         self._replans = 0
         self._due: StepMeasurement | None = None
+        self._due_reuse = None
         self._pending: tuple[_Trace, list, int] | None = None
         self._attempts = 0  # measured forwards whose step could not be measured
+        # The measuring window (a measured forward to its backward): the pair's runs in it, what
+        # they had beside them (step_budget.StepReuse), whether a backward of one of them ran,
+        # whether the measured forward's graph was dropped.
+        self._window: list[_Run] = []
+        self._observed = None
+        self._backward_seen = False
+        self._dropped = False
+        self._reuse_warned = False
+        self._due_error: Exception | None = None
+        # Pairs whose runs had this pair's run beside them in a step, and the earlier pairs whose
+        # provisional percentage waits for this pair's final plan (see _settle_provisional).
+        self._beside: weakref.WeakSet = weakref.WeakSet()
+        self._waiting: weakref.WeakSet = weakref.WeakSet()
         self.measurements: list[StepMeasurement] = []
         self._state = "measure" if self._checkable() else "done"
         if getattr(compiled, "_boxed_call", False):
@@ -466,29 +604,104 @@ class CheckedCompile:
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args):
+        if self._due_error is not None:
+            err, self._due_error = self._due_error, None
+            raise err
         if self._due is not None:
             self._replan()
+        grad = torch.is_grad_enabled()
         if self._state == "pending":
-            self._abandon_if_stale()
-        if self._state == "measure" and torch.is_grad_enabled() and measure_step_enabled():
+            self._abandon_if_stale(grad)
+        if self._state == "measure" and grad and measure_step_enabled():
             return self._measured_forward(args)
-        return self._current(*args)
+        out = self._current(*args)
+        node = self._track(args, out, window=self._state == "pending") if grad else None
+        if node is None and self._state == "pending":
+            self._count_pending_call()
+        return out
 
-    def _abandon_if_stale(self) -> None:
+    def _params_of(self, args) -> tuple[torch.Tensor, ...]:
+        out = []
+        for i in self._session.param_positions:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                out.append(args[i])
+        return tuple(out)
+
+    def _track(self, args, out, node=None, window: bool = False):
+        """Keep the run that produced ``out`` on its backward node (:class:`_Run`: later runs of
+        the step find it among their inputs' autograd ancestors), and, inside this pair's
+        measuring window (``window``), what it has beside it. Returns its backward node, or
+        ``None`` (no backward: nothing kept)."""
+        node = node if node is not None else _backward_node(out)
+        if node is None:
+            return None
+        session = self._session
+        params = self._params_of(args)
+        refs = []
+        for t in params:
+            try:
+                refs.append(weakref.ref(t))
+            except TypeError:
+                pass
+        run = _Run(self, session, tuple(refs))
+        before = None
+        if window:
+            try:
+                before = runs_before(args)
+            except Exception:  # noqa: BLE001  (the check must never break a step)
+                before = None
+        try:
+            setattr(node, _RUN_ATTR, run)
+        except (AttributeError, TypeError):
+            return node
+
+        def ended(grad_inputs, grad_outputs):
+            run.ended = True
+            if run in self._window:
+                self._backward_seen = True
+
+        node.register_hook(ended)
+        if before is not None:
+            earlier = [r for r in self._window if not r.ended]
+            others = [r for r in before if r.checker is not self]
+            for r in others:  # their pairs' step goes on with this one (their provisional waits)
+                r.checker._beside.add(self)
+            try:
+                seen = observe_reuse(session, earlier, others, params)
+            except Exception:  # noqa: BLE001  (the check must never break a step)
+                seen = None
+            with self._lock:
+                self._window.append(run)
+                if seen is not None:
+                    self._observed = seen.merged(self._observed)
+        return node
+
+    def _count_pending_call(self) -> None:
+        with self._lock:
+            if self._pending is None:
+                return
+            trace, handles, calls = self._pending
+            self._pending = (trace, handles, calls + 1)
+
+    def _abandon_if_stale(self, grad: bool) -> None:
+        """Give up a measured forward whose backward will not come: its graph was dropped, its
+        backward raised, the calls without a backward since exceed :data:`_PENDING_CALLS`, or
+        (``grad``: this call is a forward with autograd) a backward of this pair ran since
+        without the measured one's (the step ended). Forwards before any backward are the pair's
+        further runs in the same step (a reused block graph) and wait."""
         with self._lock:
             trace, handles, calls = self._pending
             if trace.is_open and trace._open_thread == threading.get_ident():
                 trace.stop()  # a backward that raised: its post hook never ran
                 trace.valid = False
-            calls += 1
-            if calls > _PENDING_CALLS or not trace.valid:
+            if self._dropped or calls > _PENDING_CALLS or not trace.valid or (grad and self._backward_seen):
                 for h in handles:
                     h.remove()
                 self._pending = None
                 self._attempts += 1
+                self._window = []
+                self._observed = None
                 self._state = "measure" if self._attempts < _ATTEMPTS else "done"
-            else:
-                self._pending = (trace, handles, calls)
 
     def _measured_forward(self, args):
         planned = self._session.planned_steps
@@ -515,6 +728,12 @@ class CheckedCompile:
             if self._attempts >= _ATTEMPTS:
                 self._state = "done"
             return out
+        with self._lock:
+            self._window = []
+            self._observed = None
+            self._backward_seen = False
+            self._dropped = False
+        self._track(args, out, node, window=True)
         fired = [False]
 
         def pre(grad_outputs):
@@ -539,7 +758,11 @@ class CheckedCompile:
                     self._give_up(trace, exc)
             return None
 
+        def dropped():
+            self._dropped = True
+
         handles = [node.register_prehook(pre), node.register_hook(post)]
+        weakref.finalize(node, dropped)
         with self._lock:
             self._pending = (trace, handles, 0)
             self._state = "pending"
@@ -562,6 +785,8 @@ class CheckedCompile:
         planned = self._session.planned_steps
         with self._lock:
             self._pending = None
+            seen, self._observed = self._observed, None
+            self._window = []
             if not trace.valid or trace.phases != ["forward", "backward"]:
                 self._attempts += 1
                 self._state = "measure" if self._attempts < _ATTEMPTS else "done"
@@ -577,13 +802,19 @@ class CheckedCompile:
             m = analyze(trace, planned)
             self.measurements.append(m)
             old = self.report
-            new = dataclasses.replace(old, measured_peak_bytes=m.peak_bytes)
+            planned_reuse = self._session.reuse
+            new = dataclasses.replace(
+                old,
+                measured_peak_bytes=m.peak_bytes,
+                reuse_measured=max(seen.runs if seen is not None else 1, old.reuse_measured or 1),
+            )
             _replace(old, new)
             self._session.reports[-1] = new
             if self._first is None:
                 self._first = (m.peak_bytes, old.peak_bytes_planned)
-            # The pair's own share of the step's budget: what the step's other graph pairs hold
-            # while it runs (step_budget.py) is not in its measurement.
+            # The pair's own share of the step's budget: what the step's other graph pairs (and,
+            # for a reused pair, its earlier runs) hold while it runs (step_budget.py) is not in
+            # its measurement, which is of one run.
             held = self._session.step_held[0]
             budget = None if old.budget_bytes is None else old.budget_bytes - held
             own_planned = old.peak_bytes_planned - held
@@ -591,17 +822,40 @@ class CheckedCompile:
             # Margins change the plan only where they raise its peak above the budget (and above
             # the plan's own peak, for the lowest-peak plan of an infeasible budget).
             explained = over and m.extra_bytes > 0 and m.predicted_with_margins_bytes > max(budget, own_planned)
-            if explained and self._mode == "replan" and self._recompile is not None and self._replans < MAX_REPLANS:
+            # A pair run several times per step (or beside other pairs' runs the ledger does not
+            # count) holds more than its plan assumed: plan again for what the step showed.
+            reuse_due = (
+                seen is not None and old.budget_bytes is not None and seen.exceeds(planned_reuse, MIN_TRANSIENT_BYTES)
+            )
+            can_replan = self._mode == "replan" and self._recompile is not None and self._replans < MAX_REPLANS
+            if (explained or reuse_due) and can_replan:
                 self._due = m
+                self._due_reuse = seen.merged(planned_reuse) if reuse_due else None
                 self._state = "replan"
                 return
             self._state = "done"
+        self._settle_provisional(seen)
+        self._resolve_waiting()
+        if reuse_due and not self._reuse_warned:
+            self._reuse_warned = True
+            if self._mode != "replan":
+                why = "runtime_check='measure'"
+            elif self._recompile is None:
+                why = "replanning is not supported with parameter offload"
+            else:
+                why = f"still after {self._replans} replans"
+            warnings.warn(
+                f"trinity graph {new.graph_id}: the first step ran this graph {seen.runs} times at once (a block graph "
+                f"reused by {seen.runs} blocks), with {seen.held_bytes} bytes held beside its last run besides their "
+                f"saved activations, while its plan covers {planned_reuse.runs if planned_reuse else 1} run(s); "
+                f"{why}: the step's peak can be above the budget {old.budget_bytes} bytes",
+                stacklevel=2,
+            )
         if over and (explained or own_planned <= budget):
             if not explained:
                 why = (
                     f"no op's workspace explains it ({m.unexplained_bytes} bytes beyond the plan with the measured "
-                    "workspace: a retain_graph backward, several forwards before their backwards, or allocations "
-                    "the plan does not see); not replanned"
+                    "workspace: a retain_graph backward, or allocations the plan does not see); not replanned"
                 )
             elif self._mode != "replan":
                 why = "runtime_check='measure': not replanned"
@@ -618,28 +872,94 @@ class CheckedCompile:
                 stacklevel=2,
             )
 
+    def _settle_provisional(self, seen) -> None:
+        """The first plan's percentage was infeasible for one run and waited for the first step
+        (``CompileSession.provisional``), which showed no more runs of this pair to plan for. If
+        later pairs' runs had this pair's run beside them (the first block's own graph before the
+        reused block graph), the step's percentage is theirs, of the whole step: the decision waits
+        for their final plans (:meth:`_resolve_waiting`). Else the budget is refused at the next
+        call (``on_infeasible="error"``) or warned about."""
+        message = self._session.provisional
+        if message is None:
+            return
+        later = [c for c in self._beside if c is not self]
+        if not later:
+            runs = seen.runs if seen is not None else 1
+            self._settle(
+                message
+                + f" (the first step ran this graph {runs} time{'s' if runs != 1 else ''} at once: the budget is of "
+                + f"{'those runs' if runs != 1 else 'one run'})"
+            )
+            return
+        for c in later:
+            c._waiting.add(self)
+            if c._first is not None and c._due is None:  # its plan is final already
+                c._resolve_waiting()
+
+    def _resolve_waiting(self) -> None:
+        """With this pair's plan final for its step: every earlier pair waiting on it
+        (:meth:`_settle_provisional`) fits the step when its planned peak (nothing else is held
+        while it runs) is within this pair's step budget, the larger percentage base."""
+        budget = self.report.budget_bytes if self.report is not None else None
+        for a in list(self._waiting):
+            self._waiting.discard(a)
+            message = a._session.provisional
+            if message is None or a.report is None:
+                continue
+            if budget is not None and a.report.peak_bytes_planned <= budget:
+                a._session.provisional = None  # within the step's budget
+            else:
+                a._settle(
+                    message + f" The training step's budget, with graph {self.report.graph_id}'s runs beside it, is "
+                    f"{budget} bytes, below this graph's lowest-peak plan ({a.report.peak_bytes_planned} bytes) too."
+                )
+
+    def _settle(self, message: str) -> None:
+        """Refuse the provisional budget ``message`` at the next call (``on_infeasible="error"``),
+        or warn."""
+        from .pipeline import InfeasibleBudgetError
+
+        self._session.provisional = None
+        if self._session.options.on_infeasible == "error":
+            self._due_error = InfeasibleBudgetError(message)
+        else:
+            warnings.warn(message + " (on_infeasible='warn': using the lowest-peak plan)", stacklevel=3)
+
     def _replan(self) -> None:
         from .pipeline import InfeasibleBudgetError
         from .report import MeasuredCorrection
 
         with self._lock:
             m, self._due = self._due, None
+            due_reuse, self._due_reuse = self._due_reuse, None
         old_report = self.report
         budget = old_report.budget_bytes
-        margins = (self._margins or WorkspaceMargins(budget_bytes=budget)).merged(dict(m.op_workspace))
+        reuse = due_reuse if due_reuse is not None else self._session.reuse
+        margins = (self._margins or WorkspaceMargins(budget_bytes=budget, unplanned_peak_bytes=self._base_peak)).merged(
+            dict(m.op_workspace)
+        )
         try:
-            compiled = self._recompile(margins)
+            compiled = self._recompile(margins, reuse)
         except InfeasibleBudgetError as exc:
             self._state = "done"
-            raise InfeasibleBudgetError(
-                f"trinity graph {old_report.graph_id}: the first step on this machine measured "
-                f"{m.peak_bytes} bytes against the budget {budget} bytes (planned {old_report.peak_bytes_planned}); "
-                f"{_describe(m)} With that workspace: {exc}"
-            ) from exc
+            runs = (
+                f"it ran this graph {reuse.runs} times at once (a block graph reused by {reuse.runs} blocks), so the "
+                f"budget covers the {reuse.runs} runs."
+                if due_reuse is not None and due_reuse.runs > 1
+                else ""
+            )
+            if runs and not m.node_margins:
+                head = f"the first step on this machine {runs}"
+            else:
+                head = (
+                    f"the first step on this machine measured {m.peak_bytes} bytes against the budget {budget} bytes "
+                    f"(planned {old_report.peak_bytes_planned}); {_describe(m)}" + (f" Also, {runs}" if runs else "")
+                )
+            raise InfeasibleBudgetError(f"trinity graph {old_report.graph_id}: {head} With that: {exc}") from exc
         except Exception as exc:  # a failed replan must not stop training that runs
             self._state = "done"
             warnings.warn(
-                f"trinity graph {old_report.graph_id}: planning again with the measured workspace failed "
+                f"trinity graph {old_report.graph_id}: planning again with the measured step failed "
                 f"({type(exc).__name__}: {exc}); the plan measured at {m.peak_bytes} bytes (budget {budget}) stays",
                 stacklevel=3,
             )
@@ -672,8 +992,14 @@ class CheckedCompile:
             total_margin_bytes=sum(b for _, _, b in node_margins),
             replans=self._replans,
             method=m.method,
+            reuse_count=reuse.runs if reuse is not None else 1,
         )
-        final = dataclasses.replace(recorded, graph_id=old_report.graph_id, correction=correction)
+        final = dataclasses.replace(
+            recorded,
+            graph_id=old_report.graph_id,
+            correction=correction,
+            reuse_measured=old_report.reuse_measured,
+        )
         _replace(old_report, final, drop=recorded)
         session.reports[-1] = final
         with self._lock:
@@ -682,6 +1008,7 @@ class CheckedCompile:
             self._current = compiled
             self._session = session
             self._state = "measure" if self._checkable() else "done"
+        self._resolve_waiting()
 
 
 def _replace(old, new, drop=None) -> None:

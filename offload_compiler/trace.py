@@ -138,9 +138,15 @@ def trace_step(
         import torch._inductor.config as inductor_config
         from torch._inductor.compile_fx import partition_fn
         from torch._inductor.decomposition import select_decomp_table
+        from torch._inductor.virtualized import V
 
         kwargs = {"partition_fn": partition_fn, "decompositions": select_decomp_table()}
-        patch = inductor_config.patch(custom_partitioner_fn=capture)
+        # Inductor's joint-graph passes read the compile's fake mode from ``V`` (its random-op
+        # pass, for a model with dropout: ``fuse_seed_creation_pass``), which ``compile_fx`` sets
+        # and a bare ``aot_function`` does not.
+        patch = contextlib.ExitStack()
+        patch.enter_context(inductor_config.patch(custom_partitioner_fn=capture))
+        patch.enter_context(V.set_fake_mode(fake))
     else:
         kwargs = {"partition_fn": capture}
         patch = contextlib.nullcontext()

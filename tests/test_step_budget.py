@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import offload_compiler
-from bench.step_budget import Broken  # the model of the step-budget benchmark
+from bench.step_budget import REUSE_ROWS, REUSE_WIDTH, Blocks, Broken  # the step-budget benchmark's models
 from offload_compiler import measure_peak_device_bytes, step_report
 from offload_compiler.pipeline import InfeasibleBudgetError
 
@@ -142,7 +142,11 @@ def test_single_graph_is_its_own_step():
     root = Loss()
     opts = {"inner": "eager", "memory_budget": "70%", "min_offload_bytes": 0, "on_infeasible": "warn"}
     compiled = torch.compile(root, backend="trinity", options=opts)
-    compiled(torch.randn(256, 64)).backward()
+    with pytest.warns(UserWarning, match="below the lowest peak") as caught:
+        compiled(torch.randn(256, 64)).backward()
+    # The infeasible warning of the step's only pair has no (empty) step summary.
+    text = "\n".join(str(w.message) for w in caught)
+    assert "graph pair(s)" not in text, text
     report = step_report(root)
     assert report is not None and len(report.pairs) == 1
     (pair,) = report.pairs
@@ -173,6 +177,135 @@ def _saved(model, io):
     torch.save(model, buf)
     buf.seek(0)
     return buf
+
+
+# ---------------------------------------------------------------- a block graph run N times per step
+
+# The benchmark's Blocks (3 linear+tanh layers with a residual, width 128, 2048 rows): every block
+# compiled with trinity on its own (``block.compile``), so Dynamo compiles one graph at the first block's call
+# and all blocks run it: ``F1 .. F4 B4 .. B1``. One run's own peak is 7.25 MiB unplanned; the
+# step, with three earlier runs' saved activations (3 MiB each) held beside the last, 18.8 MiB
+# measured. 12 MB fits one run without a plan but not the step.
+REUSE_BUDGET = 12_000_000
+
+
+def train_blocks(budget, backend="trinity", n=4, rows=REUSE_ROWS, input_grad=True, **options):
+    """Each block compiled on its own; three unmeasured steps (the first step's check measures and
+    replans, the second measures the new plan), then one measured. Returns (model, measurement,
+    gradients of the parameters and the input, reports of its pairs)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Blocks(n)
+    before = len(offload_compiler.reports())
+    opts = {"inner": "eager", "memory_budget": budget, "min_offload_bytes": 0, **options}
+    for b in model.blocks:
+        if backend == "trinity":
+            b.compile(backend="trinity", options=opts)
+        else:
+            b.compile(backend=backend)
+    x = torch.randn(rows, REUSE_WIDTH, generator=torch.Generator().manual_seed(1), requires_grad=input_grad)
+
+    def step():
+        model(x).backward()
+
+    for _ in range(3):
+        step()
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+    m = measure_peak_device_bytes(step, resident=list(model.parameters()) + [x], device="cpu")
+    grads = [p.grad.clone() for p in model.parameters()] + ([x.grad.clone()] if input_grad else [])
+    return model, m, grads, offload_compiler.reports()[before:]
+
+
+@pytest.fixture(scope="module")
+def blocks_reference():
+    _, m, grads, _ = train_blocks(None, backend="aot_eager")
+    return m.peak_bytes, grads
+
+
+def check_equal(grads, ref_grads):
+    assert len(grads) == len(ref_grads)
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g, r)  # the same ops in the same order: bit-identical
+
+
+def test_reused_block_graph_without_replanning_breaks_the_step_budget(blocks_reference):
+    """The control: planned for one run (the pair's plan at compile time, what the measure-only
+    check keeps), the block graph fits the budget, and the step with its 4 runs does not."""
+    ref_peak, ref_grads = blocks_reference
+    assert ref_peak > REUSE_BUDGET + PEAK_SLACK_BYTES
+    with pytest.warns(UserWarning, match=r"ran this graph 4 times at once.*runtime_check='measure'"):
+        model, m, grads, reps = train_blocks(REUSE_BUDGET, runtime_check="measure")
+    check_equal(grads, ref_grads)
+    (r,) = reps
+    assert r.reuse_count == 1 and r.reuse_measured == 4 and r.correction is None
+    assert r.peak_bytes_planned <= r.budget_bytes == REUSE_BUDGET
+    assert "plan covers 1 run(s)" in r.summary()
+    assert m.peak_bytes > REUSE_BUDGET + PEAK_SLACK_BYTES
+
+
+@pytest.mark.parametrize("budget", [REUSE_BUDGET, "60%"])
+def test_reused_block_graph_is_planned_for_its_runs_per_step(blocks_reference, budget):
+    ref_peak, ref_grads = blocks_reference
+    model, m, grads, reps = train_blocks(budget, on_infeasible="error")
+    check_equal(grads, ref_grads)
+    (r,) = reps  # one graph, run by all four blocks
+    # Measured across the step, all 4 runs, within the budget.
+    assert m.peak_bytes <= r.budget_bytes + PEAK_SLACK_BYTES, r.summary()
+    # The first step's check counted 4 runs alive at once and planned the pair again for them.
+    assert r.reuse_count == r.reuse_measured == 4, r.summary()
+    assert r.correction is not None and r.correction.reuse_count == 4 and r.correction.replans == 1
+    assert "run 4 times per step" in r.summary() and "the budget covers the 4 runs" in r.summary()
+    assert r.feasible and r.num_evicted > 0
+    # The planned peak is the last run's own plus what the 3 earlier runs and the rest hold.
+    assert r.peak_bytes_planned <= r.budget_bytes
+    assert r.peak_bytes_planned >= r.held_bytes + r.reuse_held_bytes + 3 * REUSE_ROWS * REUSE_WIDTH * 4
+    if isinstance(budget, str):
+        # A percentage is of the step's unplanned peak: the 4 runs, not one.
+        assert r.budget_bytes == int(0.6 * r.peak_bytes_unplanned)
+        assert r.peak_bytes_unplanned >= ref_peak - PEAK_SLACK_BYTES
+    else:
+        assert r.budget_bytes == budget
+    report = step_report(model)  # the blocks' ledgers
+    (pair,) = report.pairs
+    assert pair.runs == 4 and report.within_budget and report.budget_bytes == r.budget_bytes
+    assert report.predicted_peak_bytes == pair.step_peak_bytes <= r.budget_bytes
+    assert "run 4 times per step" in report.summary()
+
+
+def test_reused_block_graph_infeasible_names_the_lowest_step_budget():
+    with pytest.raises(InfeasibleBudgetError) as info:
+        train_blocks("40%", on_infeasible="error")
+    msg = str(info.value)
+    assert "ran this graph 4 times at once" in msg and "runs 4 times per step" in msg
+    match = re.search(r"memory_budget='([0-9.]+%)' of the step's peak", msg)
+    assert match, msg
+    # The percentage it names runs.
+    _, m, _, reps = train_blocks(match.group(1), on_infeasible="error")
+    assert reps[-1].feasible and reps[-1].reuse_count == 4
+    assert m.peak_bytes <= reps[-1].budget_bytes + PEAK_SLACK_BYTES
+
+
+def test_many_runs_before_the_first_backward_are_counted():
+    """Six blocks: six forwards before the first backward (more calls than the check waits for
+    a measured forward's backward without one)."""
+    _, m, _, reps = train_blocks(6_000_000, n=6, rows=512)
+    (r,) = reps
+    assert r.reuse_count == r.reuse_measured == 6 and r.feasible, r.summary()
+    assert m.peak_bytes <= r.budget_bytes + PEAK_SLACK_BYTES, r.summary()
+
+
+def test_first_block_graph_and_the_reused_one_share_the_budget():
+    """The input does not require a gradient: the first block compiles its own graph and the other
+    three run a second one. The second sees the first's run beside its three runs."""
+    model, m, _, reps = train_blocks(15_000_000, input_grad=False, on_infeasible="error")
+    first, second = reps
+    assert first.reuse_count == 1 and second.reuse_count == second.reuse_measured == 3
+    # The first pair's run (its kept saved activations and input) is held beside the second's.
+    assert second.held_bytes >= first.held_bytes + REUSE_ROWS * REUSE_WIDTH * 4
+    report = step_report(model)
+    assert len(report.pairs) == 2 and report.within_budget
+    assert m.peak_bytes <= 15_000_000 + PEAK_SLACK_BYTES, report.summary()
 
 
 class _Inner(nn.Module):

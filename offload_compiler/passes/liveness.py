@@ -74,6 +74,9 @@ class BufferKind(str, enum.Enum):
     channels-last copy of a convolution's input or weight, :func:`layout_copies`); no FX node holds it."""
 
 
+# Kinds a run of the pair keeps on the device for its backward (Liveness.boundary_saved).
+_KEPT_KINDS = frozenset({BufferKind.SAVED, BufferKind.LAYOUT_COPY})
+
 # When aliases disagree, the first kind in this order wins (a saved view of a parameter is a
 # parameter; a saved tensor that is also a user output stays with the user).
 _PRIORITY = list(BufferKind)
@@ -297,6 +300,23 @@ class Liveness:
             ),
             node_step={n: i for i, n in enumerate(nodes)},
         )
+
+    @cached_property
+    def boundary_saved(self) -> dict[int, int]:
+        """Buffer id -> device bytes of every saved activation alive across the forward/backward
+        boundary (live at the forward's last step and after it): what one run of the pair keeps
+        on the device for its backward unless it is evicted or recomputed. The inner compiler's
+        layout copies saved in place of inputs (:func:`layout_copies`) are kept the same way. A pair run N times
+        per step holds N - 1 runs' worth beside its last run (:func:`.plan_window.plan`'s
+        ``earlier_runs``)."""
+        boundary = self.num_fw_steps - 1
+        out: dict[int, int] = {}
+        for b in self.buffers:
+            if not b.on_device or b.fused or b.kind not in _KEPT_KINDS or not b.size_bytes:
+                continue
+            if any(first <= boundary < last for first, last in b.intervals()):
+                out[b.id] = b.size_bytes
+        return out
 
     def candidates(self, min_bytes: int = 0) -> list[Buffer]:
         """Buffers that may be evicted: saved activations on the device, every saved view of

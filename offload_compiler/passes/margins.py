@@ -85,10 +85,15 @@ class WorkspaceMargins:
         budget_bytes: the budget the first plan resolved, in bytes, kept for every later plan
             (a fraction budget is of the peak without the margins, so that a margin never
             raises the budget it is meant to respect); ``None``: no limit.
+        unplanned_peak_bytes: the pair's own unplanned peak as the first plan saw it, without
+            the margins (bytes). Where given, a fraction budget is resolved again from it and
+            the later plan's model state (which the runtime check changes when it measures the
+            pair running several times per step), instead of taking ``budget_bytes``.
     """
 
     workspace: tuple[tuple[OpKey, int], ...] = ()
     budget_bytes: int | None = None
+    unplanned_peak_bytes: int | None = None
     _by_name: dict = field(default=None, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
@@ -116,4 +121,4 @@ class WorkspaceMargins:
         table = dict(self.workspace)
         for k, v in more.items():
             table[k] = max(table.get(k, 0), int(v))
-        return WorkspaceMargins(tuple(sorted(table.items())), self.budget_bytes)
+        return WorkspaceMargins(tuple(sorted(table.items())), self.budget_bytes, self.unplanned_peak_bytes)

@@ -39,6 +39,13 @@ the budget. It is made in three stages:
 A budget at or above the unplanned peak (or no budget) gives an empty plan at once: nothing is
 analysed or rewritten ("fits without a plan").
 
+**A pair run several times per step** (``earlier_runs`` m > 0, :func:`.plan_window.plan`): the
+budget binds own live bytes + m x the saved activations kept across the forward/backward boundary.
+Offloading or recomputing such a buffer frees m x its size at every step: the program adds that
+uniform term to its memory rows (a recomputed buffer is not kept across the boundary), the greedy
+fallback and the scoring count it through the working-window planner, and the unplanned peak
+that decides "fits without a plan" includes the earlier runs' saved activations, all kept.
+
 Pure: reads liveness, costs and the graphs (for the chains); the graphs are not changed (stage 3
 rewrites a copy).
 """
@@ -487,11 +494,14 @@ class _Model:
         return status, np.asarray(h.getSolution().col_value)
 
 
-def _build_model(live, costs, offs: list[_Off], chains: list[Chain], budget: int, use_offload, use_recompute):
+def _build_model(
+    live, costs, offs: list[_Off], chains: list[Chain], budget: int, use_offload, use_recompute, earlier_runs: int = 0
+):
     """The MIP of the module docstring. Returns ``(model, offload var per buffer, recompute var
     per buffer)``."""
     T = live.num_steps
-    base = live.live_bytes()
+    crossing = live.boundary_saved if earlier_runs else {}
+    base = live.live_bytes() + earlier_runs * sum(crossing.values())
     ce = np.concatenate([[0.0], np.cumsum(np.asarray(costs.step_seconds, dtype=np.float64))])
     sb = max(1.0, float(base.max())) / 1e6  # bytes -> model units
     st = max(float(ce[-1]), 1e-12) / 1e4  # seconds -> model units
@@ -512,6 +522,7 @@ def _build_model(live, costs, offs: list[_Off], chains: list[Chain], budget: int
         if c.buffer not in xo:
             continue
         v = xo[c.buffer]
+        jump(0, v, -earlier_runs * crossing.get(c.buffer, 0))  # the earlier runs evict it too
         jump(c.e + 1, v, -c.size)
         jump(c.last + 1, v, c.size)
         for g in c.groups:
@@ -521,6 +532,7 @@ def _build_model(live, costs, offs: list[_Off], chains: list[Chain], budget: int
         if c.buffer not in xr:
             continue
         v = xr[c.buffer]
+        jump(0, v, -earlier_runs * crossing.get(c.buffer, 0))  # and recompute it
         if c.recompute_before > c.last_fw_use + 1:
             jump(c.last_fw_use + 1, v, -c.size_bytes)
             jump(c.recompute_before, v, c.size_bytes)
@@ -650,7 +662,7 @@ def _no_double_moves(ranking: list[Chain], limit: int | None = None) -> frozense
 
 # ------------------------------------------------------------------------------------ choosing
 def _score_key(p: Plan, n_recompute: int):
-    return (0, p.predicted_step_seconds, n_recompute) if p.feasible else (1, p.peak_bytes_planned, n_recompute)
+    return (0, p.predicted_step_seconds, n_recompute) if p.feasible else (1, p.step_peak_bytes, n_recompute)
 
 
 def choose(
@@ -662,10 +674,12 @@ def choose(
     min_offload_bytes: int = 0,
     time_limit_s: float = SOLVER_TIME_LIMIT_S,
     use_solver: bool = True,
+    earlier_runs: int = 0,
 ) -> tuple[str, frozenset[int], frozenset[int] | None, dict]:
     """Stages 1 and 2 of the module docstring: the winning ``(name, recomputed buffers, offload
     restriction or None, details)``. ``details`` has ``solver``, ``solver_status``,
-    ``fallback_used``, ``solver_seconds``, ``scored`` and ``lowest``.
+    ``fallback_used``, ``solver_seconds``, ``scored`` and ``lowest``. ``earlier_runs``: as
+    :func:`.plan_window.plan`'s.
 
     Raises:
         ValueError: for an unknown ``strategy``.
@@ -683,7 +697,10 @@ def choose(
             allowed = only
             if allowed is not None:
                 allowed = frozenset(b for b in allowed if b not in chosen)
-            scored[key] = (name, plan_offload(view, vcosts, budget, min_offload_bytes, only=allowed))
+            scored[key] = (
+                name,
+                plan_offload(view, vcosts, budget, min_offload_bytes, only=allowed, earlier_runs=earlier_runs),
+            )
         return scored[key][1]
 
     offload_ok = strategy in ("auto", "offload")
@@ -693,7 +710,7 @@ def choose(
     if recompute_ok:
         # The cheapest recomputation per byte freed first.
         ranking = sorted(chains, key=lambda c: (c.seconds / max(1, c.size_bytes), -c.size_bytes))
-        alone = _fit_by_recompute(live, ranking, budget)
+        alone = _fit_by_recompute(live, ranking, budget, earlier_runs)
         solved_rc = solved_joint = None
         if use_solver and have_solver() and budget is not None:
             t0 = time.perf_counter()
@@ -709,7 +726,9 @@ def choose(
                     left = max(0.05, time_limit_s - (time.perf_counter() - t0))
                     if with_offload is False and offload_ok:
                         left = max(0.05, 0.25 * time_limit_s)
-                    model, xo, xr = _build_model(live, costs, offs, list(chains), budget, with_offload, True)
+                    model, xo, xr = _build_model(
+                        live, costs, offs, list(chains), budget, with_offload, True, earlier_runs
+                    )
                     status, sol = model.solve(left)
                     statuses.append(f"{name}: {status}")
                     if sol is None:
@@ -756,23 +775,27 @@ def choose(
     details["ranked"] = tuple((name, chosen, only) for (chosen, only), (name, _p) in ranked)
     best = details["ranked"][0]
     details["scored"] = tuple(
-        (name, len(chosen), p.predicted_step_seconds, p.peak_bytes_planned, p.feasible)
+        (name, len(chosen), p.predicted_step_seconds, p.step_peak_bytes, p.feasible)
         for (chosen, only), (name, p) in scored.items()
     )
     lows = [p.lowest_reachable_peak_bytes for (_c, o), (_n, p) in scored.items() if o is None]
-    lows += [p.peak_bytes_planned for (_c, o), (_n, p) in scored.items() if o is not None]
+    lows += [p.step_peak_bytes for (_c, o), (_n, p) in scored.items() if o is not None]
     details["lowest"] = min(lows) if lows else None
     details["offload_only"] = scored.get((frozenset(), None), (None, None))[1]
     return best[0], best[1], best[2], details
 
 
-def _fit_by_recompute(live: Liveness, ranking: list[Chain], budget: int | None) -> frozenset[int]:
+def _fit_by_recompute(
+    live: Liveness, ranking: list[Chain], budget: int | None, earlier_runs: int = 0
+) -> frozenset[int]:
     """Chains from the front of ``ranking`` (no move of a move, see :func:`_build_model`) until
-    the recomputation alone brings the peak within ``budget``, by the model's memory; all that
-    can be taken if it never does."""
+    the recomputation alone brings the peak within ``budget``, by the model's memory (with
+    ``earlier_runs``' kept saved activations, :func:`.plan_window.plan`); all that can be taken
+    if it never does."""
     if budget is None:
         return frozenset()
-    cur = live.live_bytes()
+    crossing = live.boundary_saved if earlier_runs else {}
+    cur = live.live_bytes() + earlier_runs * sum(crossing.values())
     if cur.max() <= budget:
         return frozenset()
     T = live.num_steps
@@ -797,7 +820,7 @@ def _fit_by_recompute(live: Liveness, ranking: list[Chain], budget: int | None) 
             if c.buffer in (dep, leaf):
                 add(d, trial[dep].recompute_before, trial[leaf].size_bytes)
                 add(d, trial[leaf].recompute_before, -trial[leaf].size_bytes)
-        cur = cur + np.cumsum(d[:-1])
+        cur = cur + np.cumsum(d[:-1]) - earlier_runs * crossing.get(c.buffer, 0)
         taken = trial
         if cur.max() <= budget:
             break
@@ -864,6 +887,7 @@ def plan_joint(
     time_limit_s: float = SOLVER_TIME_LIMIT_S,
     use_solver: bool = True,
     margins=None,
+    earlier_runs: int = 0,
 ) -> JointPlan:
     """Plan keep/offload/recompute for ``pair`` (all three stages of the module docstring).
 
@@ -881,6 +905,8 @@ def plan_joint(
         use_solver: ``False`` forces the greedy fallback (tests, comparisons).
         margins: measured per-op workspace (:class:`~.margins.WorkspaceMargins`, from the runtime
             check of the first steps): the liveness of a rewritten candidate counts it as ``live``'s does.
+        earlier_runs: runs of the same pair whose kept saved activations are held while this
+            one runs (a block graph run by ``earlier_runs + 1`` blocks per step; module docstring).
 
     Python's cyclic garbage collector is paused while it plans (and restored after): the planner
     allocates many small objects while the graphs keep millions alive, and each collection walks
@@ -906,6 +932,7 @@ def plan_joint(
             time_limit_s,
             use_solver,
             margins,
+            earlier_runs,
         )
     finally:
         if was_enabled:
@@ -924,6 +951,7 @@ def _plan_joint(
     time_limit_s: float = SOLVER_TIME_LIMIT_S,
     use_solver: bool = True,
     margins=None,
+    earlier_runs: int = 0,
 ) -> JointPlan:
     """:func:`plan_joint` without pausing the garbage collector."""
     from . import insert_recompute, recompute_chains
@@ -932,8 +960,9 @@ def _plan_joint(
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
     t0 = time.perf_counter()
-    if budget is None or live.peak_bytes <= budget:
-        the_plan = plan_offload(live, costs, budget, min_offload_bytes)
+    held = earlier_runs * sum(live.boundary_saved.values()) if earlier_runs else 0
+    if budget is None or live.peak_bytes + held <= budget:
+        the_plan = plan_offload(live, costs, budget, min_offload_bytes, earlier_runs=earlier_runs)
         rp = RecomputePlan(
             strategy, "none", fits_without_plan=True, plan_seconds=time.perf_counter() - t0, note="fits without a plan"
         )
@@ -944,7 +973,7 @@ def _plan_joint(
         names = [live.saved[i].fw_node for i in live.buffers[bid].saved]
         refused.append((", ".join(names), why))
     name, chosen, only, details = choose(
-        live, costs, analysis.chains, budget, strategy, min_offload_bytes, time_limit_s, use_solver
+        live, costs, analysis.chains, budget, strategy, min_offload_bytes, time_limit_s, use_solver, earlier_runs
     )
     by_buf = analysis.by_buffer()
     common = dict(
@@ -962,7 +991,7 @@ def _plan_joint(
         """``(chains, liveness, costs, plan, names)`` of a candidate on the rewritten graphs."""
         if not chosen:
             allowed = None if only is None else frozenset(only)
-            return (), live, costs, plan_offload(live, costs, budget, min_offload_bytes, only=allowed), None
+            return (), live, costs, plan_offload(live, costs, budget, min_offload_bytes, allowed, earlier_runs), None
         chains = tuple(by_buf[b] for b in sorted(chosen))
         copy = insert_recompute.copy_pair(pair)
         insert_recompute.apply(copy, live, chains)
@@ -978,9 +1007,9 @@ def _plan_joint(
                 for i in live.buffers[b].saved
             }
             allowed = frozenset(s.buffer for s in live2.saved if s.fw_ref in wanted)
-        p = plan_offload(live2, costs2, budget, min_offload_bytes, only=allowed)
+        p = plan_offload(live2, costs2, budget, min_offload_bytes, only=allowed, earlier_runs=earlier_runs)
         if not p.feasible and allowed is not None and strategy != "recompute":
-            p = plan_offload(live2, costs2, budget, min_offload_bytes)
+            p = plan_offload(live2, costs2, budget, min_offload_bytes, earlier_runs=earlier_runs)
         names = (tuple(n.name for n in copy.forward.graph.nodes), tuple(n.name for n in copy.backward.graph.nodes))
         return chains, live2, costs2, replace(p, peak_bytes_unplanned=live.peak_bytes), names
 
@@ -998,7 +1027,7 @@ def _plan_joint(
     if result is None and offload_only is not None and offload_only.feasible:
         result = ("offload only", ((), live, costs, offload_only, None))
     if result is None:  # none meets the budget: the lowest exact peak
-        result = min(tried, key=lambda t: (t[1][3].peak_bytes_planned, len(t[1][0])))
+        result = min(tried, key=lambda t: (t[1][3].step_peak_bytes, len(t[1][0])))
     if result[0] != details["ranked"][0][0]:
         note = (
             f"the exact plan of the best-scored candidate {details['ranked'][0][0]!r} missed the budget; "
@@ -1010,7 +1039,7 @@ def _plan_joint(
     if the_plan.feasible:
         lowest = min(the_plan.lowest_reachable_peak_bytes, details["lowest"] or the_plan.lowest_reachable_peak_bytes)
     else:
-        lowest = min(t[1][3].peak_bytes_planned for t in tried)
+        lowest = min(t[1][3].step_peak_bytes for t in tried)
         for _name, (chains_t, _l, _c, p, _n) in tried:
             if not chains_t:  # offloading every allowed candidate tightly: exact too
                 lowest = min(lowest, p.lowest_reachable_peak_bytes)

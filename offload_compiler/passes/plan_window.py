@@ -18,6 +18,16 @@ or prefetch later), ranked by the copy time it exposes, then by size. With every
 tightest window the peak is the lowest any plan reaches; a budget below it is infeasible and the
 plan says what dominates that peak.
 
+**A pair run several times per step** (``earlier_runs`` m > 0: a block graph run by m + 1
+blocks, ``F1 .. FN BN .. B1``): while the last run runs, the m earlier runs hold every saved
+activation they keep across the forward/backward boundary. The budget then binds own live bytes
++ m x kept at every step, which is linear in the choice: the planner works on the live bytes
+plus m x every boundary-crossing saved buffer's size (:attr:`.liveness.Liveness.boundary_saved`),
+and evicting a candidate lowers every step by m x its size besides its own window (so every
+unselected candidate covers the peak step). The plan's ``peak_bytes_planned`` stays the pair's
+own; ``reuse_held_bytes`` is m x what it keeps, and ``feasible`` and the lowest reachable peak
+count both.
+
 After selection, copy placement accounts for channel contention (copies in one direction run one
 at a time): D2H waits move later and prefetches earlier until each copy hides, as far as the
 budget allows. :func:`~offload_compiler.passes.simulate.simulate` then predicts the step time and
@@ -111,6 +121,10 @@ class Plan:
         peak_breakdown: device bytes by buffer kind at the planned peak.
         predicted_step_seconds / exposed_transfer_seconds / compute_seconds: from the simulator.
         num_candidates: buffers that could have been evicted.
+        reuse_held_bytes: with ``earlier_runs`` m > 0 (:func:`plan`), the saved activations the m
+            earlier runs keep on the device under this plan (m x the boundary-crossing saved
+            bytes not evicted), held beside the pair's own ``peak_bytes_planned``; 0 otherwise.
+            ``lowest_reachable_peak_bytes`` and ``feasible`` count them.
     """
 
     budget_bytes: int | None
@@ -125,6 +139,13 @@ class Plan:
     exposed_transfer_seconds: float
     compute_seconds: float
     num_candidates: int
+    reuse_held_bytes: int = 0
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """The peak with the earlier runs' kept saved activations (``peak_bytes_planned`` +
+        ``reuse_held_bytes``): what the budget binds."""
+        return self.peak_bytes_planned + self.reuse_held_bytes
 
     @property
     def evicted_bytes(self) -> int:
@@ -233,6 +254,7 @@ class _Cand:
         "p",
         "selected",
         "gap",
+        "shadow",
     )
 
 
@@ -242,6 +264,7 @@ def plan(
     budget_bytes: int | None,
     min_offload_bytes: int = 0,
     only: frozenset[int] | None = None,
+    earlier_runs: int = 0,
 ) -> Plan:
     """Plan evictions so the simulated peak stays within ``budget_bytes`` (see module docstring).
 
@@ -252,16 +275,23 @@ def plan(
         min_offload_bytes: buffers smaller than this are not candidates.
         only: when given, only these buffer ids are candidates (the joint keep/offload/recompute
             planner, :mod:`.plan_recompute`, restricts offloading to what it chose).
+        earlier_runs: runs of the same pair whose saved activations are held while this one
+            runs (a block graph run by ``earlier_runs + 1`` blocks per step; module docstring).
 
     Returns:
         A :class:`Plan`. When the budget cannot be met, ``feasible`` is False and the plan holds
         every candidate at its tightest window (the lowest reachable peak); the caller decides
         whether that is an error.
     """
+    if earlier_runs < 0:
+        raise ValueError(f"plan_window.plan: earlier_runs must be >= 0, got {earlier_runs}")
     T = liveness.num_steps
     F = liveness.num_fw_steps
-    base = liveness.live_bytes()
-    unplanned_peak = int(base.max()) if T else 0
+    own = liveness.live_bytes()
+    unplanned_peak = int(own.max()) if T else 0
+    # The earlier runs' saved activations, all kept: every eviction of one lowers every step.
+    crossing = liveness.boundary_saved if earlier_runs else {}
+    base = own + earlier_runs * sum(crossing.values())
     secs = np.asarray(costs.step_seconds, dtype=np.float64)
     ce = np.concatenate([[0.0], np.cumsum(secs)])  # ce[s] = start of step s; ce[s+1] = its end
     bw_compute = [s.index for s in liveness.steps[F:] if not s.is_placeholder]
@@ -292,6 +322,7 @@ def plan(
         c.p = min(max(p, c.lo_p), c.hi_p)
         c.selected = False
         c.gap = float(ce[buf.first_bw_use] - ce[buf.last_fw_use + 1])
+        c.shadow = earlier_runs * crossing.get(buf.id, 0)
         cands.append(c)
 
     def exposure(c: _Cand, e: int, p: int) -> float:
@@ -307,7 +338,7 @@ def plan(
         for g in c.groups:
             d[p] += g.copy_bytes
             d[g.last_use + 1] -= g.copy_bytes
-        return np.cumsum(d[:-1])
+        return np.cumsum(d[:-1]) - c.shadow
 
     # The lowest reachable peak: every candidate at its tightest window.
     tight = base.copy()
@@ -316,7 +347,7 @@ def plan(
     lowest = int(tight.max()) if T else 0
 
     cur = base.copy()
-    if budget_bytes is not None and unplanned_peak > budget_bytes:
+    if budget_bytes is not None and int(base.max() if T else 0) > budget_bytes:
         if lowest > budget_bytes:
             for c in cands:
                 c.e, c.p, c.selected = c.lo_e, c.hi_p, True
@@ -348,8 +379,12 @@ def plan(
     live = planned_live_bytes(liveness, evictions)
     peak = int(live.max()) if T else 0
     peak_step = int(live.argmax()) if T else 0
+    evicted = {c.buf.id for c in chosen}
+    held = earlier_runs * sum(size for bid, size in crossing.items() if bid not in evicted)
     timeline: Timeline = simulate(costs.step_seconds, copy_tasks(evictions, costs))
     breakdown = _breakdown(liveness, evictions, peak_step)
+    if held:
+        breakdown = dict(sorted({**breakdown, "earlier runs' saved activation": held}.items(), key=lambda kv: -kv[1]))
     return Plan(
         budget_bytes=budget_bytes,
         evictions=evictions,
@@ -357,12 +392,13 @@ def plan(
         peak_bytes_planned=peak,
         peak_step_planned=peak_step,
         lowest_reachable_peak_bytes=lowest,
-        feasible=budget_bytes is None or peak <= budget_bytes,
+        feasible=budget_bytes is None or peak + held <= budget_bytes,
         peak_breakdown=tuple(breakdown.items()),
         predicted_step_seconds=timeline.step_seconds,
         exposed_transfer_seconds=timeline.exposed_seconds,
         compute_seconds=timeline.compute_seconds,
         num_candidates=len(cands),
+        reuse_held_bytes=held,
     )
 
 
@@ -388,6 +424,7 @@ def _select(cands, cur: np.ndarray, budget: int, exposure, change) -> None:
         return
     n = len(cands)
     size = np.array([c.size for c in cands], dtype=np.int64)
+    shadow = np.array([c.shadow for c in cands], dtype=np.int64)
     lo_e = np.array([c.lo_e for c in cands])
     hi_p = np.array([c.hi_p for c in cands])
     # Copy time each candidate would expose at its ideal window (0: it hides under compute).
@@ -419,11 +456,15 @@ def _select(cands, cur: np.ndarray, budget: int, exposure, change) -> None:
         # 1) an unselected candidate whose ideal window covers t: those whose copies hide fully
         #    first, largest first (a long idle gap and a large size); then the fewest exposed
         #    seconds per byte saved.
-        ideal = (~sel) & (e < t) & (t < p)
+        #    With earlier runs (``shadow``), every unselected candidate lowers t by its shadow;
+        #    the bytes it saves at t rank it.
+        covers = (e < t) & (t < p)
+        ideal = (~sel) & (covers | (shadow > 0))
         if ideal.any():
             idx = np.flatnonzero(ideal)
-            keys = exposed_ideal[idx] / size[idx]
-            best = np.lexsort((-size[idx], keys))[0]
+            saves = np.where(covers[idx], size[idx], 0) + shadow[idx]
+            keys = exposed_ideal[idx] / saves
+            best = np.lexsort((-saves, keys))[0]
             c = cands[int(idx[best])]
             c.selected = True
             cur += change(c, c.e, c.p)
