@@ -575,8 +575,9 @@ def input_bytes(live) -> int:
 
 
 def kept_saved_bytes(live, evicted: set[int]) -> int:
-    """Device bytes of saved activations alive across the forward/backward boundary of ``live``
-    (a :class:`~offload_compiler.passes.liveness.Liveness`), leaving out buffer ids ``evicted``
+    """Device bytes of saved activations (and of the inner compiler's layout copies saved in place of
+    inputs) alive across the forward/backward boundary of ``live`` (a
+    :class:`~offload_compiler.passes.liveness.Liveness`), leaving out buffer ids ``evicted``
     (:attr:`~offload_compiler.passes.liveness.Liveness.boundary_saved`)."""
     return sum(size for bid, size in live.boundary_saved.items() if bid not in evicted)
 

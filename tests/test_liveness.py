@@ -444,3 +444,75 @@ def test_addmm_pattern_on_a_gpu_skips_adds_read_only_by_pointwise_ops():
         for gm in (pair.forward, pair.backward):
             gm.meta[TARGET_DEVICE_KEY] = "cuda"
         assert buffer_holding(liveness.analyze(pair, assume_fusion=True), mm_name).fused == on_gpu
+
+
+def _layout_copies(live) -> dict[str, liveness.Buffer]:
+    """The layout copies by the node copied (``"forward:primals_1"``)."""
+    return {b.nodes[0].removesuffix(" (layout copy)"): b for b in live.buffers if b.kind is BufferKind.LAYOUT_COPY}
+
+
+def test_fusion_models_inductors_channels_last_copies_of_saved_inputs():
+    """Under its layout optimization (a convolution on the CPU with oneDNN) Inductor copies a
+    graph input that a convolution reads and the forward saves to channels-last where the forward
+    starts, and saves the copy in its place: the copy is alive to the backward's last reader, while
+    the caller still holds the original. ViT's patch embedding measured 88 KiB above its plan
+    before the plan counted them."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 3, 4, 4, requires_grad=True)  # 1,536 bytes
+    x = torch.randn(2, 3, 16, 16)  # 6,144 bytes
+
+    def fn(w, x):
+        return torch.nn.functional.conv2d(x, w, stride=4).sin().sum()
+
+    pair = capture_pair(fn, w, x, static=(0,))
+    fw = list(pair.forward.graph.nodes)
+    w_ph, x_ph = fw[0], fw[1]
+    saved = {link.fw_node for link in pair.saved_links()}
+    assert {w_ph, x_ph} <= saved  # convolution_backward reads both
+    assert liveness.inductor_layout_opt(pair.forward)
+    assert not _layout_copies(liveness.analyze(pair))  # inner="eager": no copy
+    live = liveness.analyze(pair, assume_fusion=True)
+    copies = _layout_copies(live)
+    assert set(copies) == {f"forward:{w_ph.name}", f"forward:{x_ph.name}"}
+    (conv_bw,) = [s.index for s in live.steps if s.graph == "backward" and s.op == "convolution_backward.default"]
+    for ph, nbytes in ((w_ph, 1536), (x_ph, 6144)):
+        b = copies[f"forward:{ph.name}"]
+        assert b.size_bytes == nbytes and b.on_device
+        assert (b.def_step, b.last_step) == (live.step_at(ph), conv_bw)
+        # The original stays counted as the caller's (a parameter, an input) for the whole step.
+        orig = buffer_holding(live, f"forward:{ph.name}")
+        assert orig.kind in (BufferKind.PARAMETER, BufferKind.INPUT) and orig.last_step == live.num_steps - 1
+    # Saved across the forward/backward boundary: the step ledger counts them as held.
+    from offload_compiler.step_budget import kept_saved_bytes
+
+    assert kept_saved_bytes(live, set()) - kept_saved_bytes(liveness.analyze(pair), set()) >= 1536 + 6144
+    # Not a candidate for eviction (no FX node holds the copy).
+    assert all(b.kind is BufferKind.SAVED for b in live.candidates())
+    with torch._inductor.config.patch(layout_optimization=False):
+        assert not _layout_copies(liveness.analyze(pair, assume_fusion=True))
+
+
+def test_channels_last_copy_of_an_unsaved_input_is_a_temporary_and_none_of_a_channels_last_one():
+    """An input a convolution reads that the forward does not save is copied for that convolution
+    alone (a temporary at its step); an input already channels-last is not copied."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 3, 4, 4)
+    x = torch.randn(2, 3, 16, 16)
+    s = torch.randn(8, 1, 1, requires_grad=True)  # its gradient reads the convolution's output alone
+
+    def fn(w, x, s):
+        return (torch.nn.functional.conv2d(x, w, stride=4) * s).sum()
+
+    pair = capture_pair(fn, w, x, s)
+    assert not {n.name for n in pair.forward.graph.find_nodes(op="placeholder")[:2]} & {
+        link.fw_node.name for link in pair.saved_links()
+    }
+    live = liveness.analyze(pair, assume_fusion=True)
+    (conv,) = [s.index for s in live.steps if s.graph == "forward" and s.op == "convolution.default"]
+    copies = _layout_copies(live)
+    assert {n: (c.size_bytes, c.def_step, c.last_step) for n, c in copies.items()} == {
+        "forward:primals_1": (1536, conv, conv),
+        "forward:primals_2": (6144, conv, conv),
+    }
+    pair = capture_pair(fn, w, x.contiguous(memory_format=torch.channels_last), s)
+    assert set(_layout_copies(liveness.analyze(pair, assume_fusion=True))) == {"forward:primals_1"}

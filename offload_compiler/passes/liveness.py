@@ -52,6 +52,8 @@ __all__ = [
     "Liveness",
     "analyze",
     "graph_device",
+    "inductor_layout_opt",
+    "layout_copies",
     "table_workspace_bytes",
 ]
 
@@ -67,7 +69,13 @@ class BufferKind(str, enum.Enum):
     SAVED = "saved activation"
     TANGENT = "tangent"
     TEMPORARY = "temporary"
+    LAYOUT_COPY = "layout copy"
+    """A copy the inner compiler makes of a graph input in another memory layout (Inductor's
+    channels-last copy of a convolution's input or weight, :func:`layout_copies`); no FX node holds it."""
 
+
+# Kinds a run of the pair keeps on the device for its backward (Liveness.boundary_saved).
+_KEPT_KINDS = frozenset({BufferKind.SAVED, BufferKind.LAYOUT_COPY})
 
 # When aliases disagree, the first kind in this order wins (a saved view of a parameter is a
 # parameter; a saved tensor that is also a user output stays with the user).
@@ -297,13 +305,14 @@ class Liveness:
     def boundary_saved(self) -> dict[int, int]:
         """Buffer id -> device bytes of every saved activation alive across the forward/backward
         boundary (live at the forward's last step and after it): what one run of the pair keeps
-        on the device for its backward unless it is evicted or recomputed. A pair run N times
+        on the device for its backward unless it is evicted or recomputed. The inner compiler's
+        layout copies saved in place of inputs (:func:`layout_copies`) are kept the same way. A pair run N times
         per step holds N - 1 runs' worth beside its last run (:func:`.plan_window.plan`'s
         ``earlier_runs``)."""
         boundary = self.num_fw_steps - 1
         out: dict[int, int] = {}
         for b in self.buffers:
-            if not b.on_device or b.fused or b.kind is not BufferKind.SAVED or not b.size_bytes:
+            if not b.on_device or b.fused or b.kind not in _KEPT_KINDS or not b.size_bytes:
                 continue
             if any(first <= boundary < last for first, last in b.intervals()):
                 out[b.id] = b.size_bytes
@@ -586,7 +595,8 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
     With ``assume_fusion`` (the inner compiler is Inductor), a temporary made by a pointwise op
     whose only reader is pointwise or a reduction is taken to be fused away (see
     :attr:`Buffer.fused`), and so is a matrix product that Inductor's ``addmm`` pattern moves into
-    the add reading it (:func:`addmm_fused_into`). With ``margins`` (workspace measured on this machine, see
+    the add reading it (:func:`addmm_fused_into`); the channels-last copies Inductor makes of a
+    convolution's inputs and weights are buffers of their own (:func:`layout_copies`). With ``margins`` (workspace measured on this machine, see
     :mod:`.margins`), a node's workspace is the larger of :data:`_WORKSPACE`'s and the measured one.
 
     The phases, one function each: the joint schedule (:func:`_schedule`), storage keys and their
@@ -621,6 +631,8 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
     buffers = _buffers(
         roots, keys, kind_of, saved_of_root, _resident_intervals(sched, keys), fused_nodes, sched, device
     )
+    if assume_fusion:
+        buffers += layout_copies(pair, sched, keys, roots, len(buffers), device, target)
     return Liveness(
         steps=sched.steps,
         num_fw_steps=sched.num_fw,
@@ -1023,3 +1035,133 @@ def _buffers(
             )
         )
     return buffers
+
+
+# ------------------------------------------------------------------------------ layout copies
+
+
+def inductor_layout_opt(gm: fx.GraphModule, target: str | None = None) -> bool:
+    """Whether Inductor compiles ``gm`` with its layout optimization (channels-last convolutions):
+    Inductor's own decision, ``GraphLowering.decide_layout_opt(gm, is_inference=False)``
+    (``torch/_inductor/graph.py``; it reads ``torch._inductor.config.layout_optimization``, so the
+    backend's ``config_patches`` apply). On the CPU with oneDNN it is on for every graph with a
+    convolution; on a GPU Inductor weighs the convolutions' shapes. With ``target`` (the device
+    the plan is for, :data:`~offload_compiler.ir.meta.TARGET_DEVICE_KEY`) a GPU while the graph
+    is on the CPU, the GPU rule is the one asked (oneDNN's branch is turned off around the call)."""
+    try:
+        from torch._inductor.graph import GraphLowering
+
+        decide = GraphLowering.decide_layout_opt
+    except (ImportError, AttributeError):
+        return False
+    if not any(n.target is torch.ops.aten.convolution.default for n in gm.graph.nodes):
+        return False
+    try:
+        if target is not None and target in _GPU_DEVICE_TYPES:
+            with torch.backends.mkldnn.flags(enabled=False):
+                return bool(decide(gm, is_inference=False))
+        return bool(decide(gm, is_inference=False))
+    except (AttributeError, KeyError, IndexError, TypeError):  # a graph the heuristics cannot read
+        return False
+
+
+def _prefer_channels_last(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The first pass of Inductor's ``GraphLowering.find_nodes_prefer_channels_last``: a
+    convolution, and every node one of whose readers is in the set (not through a ``bmm``). The
+    second pass adds only nodes downstream of others (never a placeholder)."""
+    out: set[fx.Node] = set()
+    for n in reversed(nodes):
+        if n.target is torch.ops.aten.convolution.default:
+            out.add(n)
+        elif n.target is not torch.ops.aten.bmm.default and any(u in out for u in n.users):
+            out.add(n)
+    return out
+
+
+def _channels_last_copied(val) -> bool:
+    """Whether Inductor copies a dense 4-D tensor of this fake value to make it channels-last (its
+    strides are not already the channels-last ones)."""
+    import torch._prims_common as prims
+
+    # Inductor's test (graph.py); named without "_or_false" in older torch.
+    dense = getattr(prims, "is_non_overlapping_and_dense_or_false", None) or prims.is_non_overlapping_and_dense
+    if not isinstance(val, torch.Tensor) or val.dim() != 4 or not dense(val):
+        return False
+    want = prims.make_channels_last_strides_for(val.shape)
+    return tuple(hint_int(s) for s in val.stride()) != tuple(hint_int(s) for s in want)
+
+
+def layout_copies(
+    pair: GraphPair, sched: _Schedule, keys: _Keys, roots: dict, first_id: int, device: torch.device, target=None
+) -> list[Buffer]:
+    """The channels-last copies Inductor's layout optimization makes of graph inputs, as
+    :attr:`BufferKind.LAYOUT_COPY` buffers with ids from ``first_id``.
+
+    Where Inductor compiles a graph with its layout optimization (:func:`inductor_layout_opt`), a
+    2-D convolution wants its input and weight channels-last (``torch/_inductor/kernel/conv.py``,
+    ``require_channels_last``), and a graph input is a fixed layout, so Inductor copies it:
+
+    * a forward input that the graph returns, not to the user (a saved tensor: the convolution's
+      input and weight are saved for its backward), and whose readers lead to a convolution, is
+      copied where the graph starts (``GraphLowering.run_node``: an output in
+      ``nodes_prefer_channels_last`` gets channels-last strides). Every reader then reads the copy
+      and the forward returns the copy as the saved tensor: it is alive from the input's step to
+      the last reader of the input or of a saved view of it in the backward, while the caller
+      still holds the original (a parameter, the step's input);
+    * any other graph input read by a convolution as input or weight is copied for that
+      convolution alone: a temporary at its step.
+
+    Seen with Hugging Face's ViT on the CPU (torch 2.13): the patch embedding's pixel values
+    (8x3x32x32 float32, 98,304 bytes) and weight (32x3x8x8, 24,576 bytes) were copied and held from
+    the forward's start to the backward's ``convolution_backward``, 122,880 bytes the plan did not
+    count. Inputs made by other nodes are left out: Inductor lays out what it computes itself
+    channels-last from the start, and fixed-layout results (extern kernels) are not modelled."""
+    out: list[Buffer] = []
+    for graph_name, gm in (("forward", pair.forward), ("backward", pair.backward)):
+        if not inductor_layout_opt(gm, target):
+            continue
+        nodes = list(gm.graph.nodes)
+        prefer = _prefer_channels_last(nodes)
+        returned: set[fx.Node] = set()
+        user_visible: set[fx.Node] = set()
+        if graph_name == "forward":
+            for i, o in enumerate(pair.fw_outputs()):
+                if isinstance(o, fx.Node):
+                    (user_visible if i < pair.num_fwd_outputs else returned).add(o)
+        for ph in gm.graph.find_nodes(op="placeholder"):
+            val = ph.meta.get("val")
+            if not _channels_last_copied(val) or not keys.node_keys.get(ph):
+                continue
+            tdev = val.device
+            if not (tdev == device or device.type == "cpu"):
+                continue
+            nbytes = val.numel() * val.element_size()
+            step = sched.node_step[ph]
+            if ph in returned and ph not in user_visible and ph in prefer:
+                info = roots[keys.uf.find(keys.node_keys[ph][0])]
+                spans = [(step, max([step, *info["uses"]]))]
+            else:
+                spans = [
+                    (sched.node_step[c], sched.node_step[c])
+                    for c in ph.users
+                    if c.target is torch.ops.aten.convolution.default and ph in c.args[:2]
+                ]
+            for first, last in spans:
+                out.append(
+                    Buffer(
+                        id=first_id + len(out),
+                        kind=BufferKind.LAYOUT_COPY,
+                        size_bytes=hint_int(nbytes),
+                        size_expr=_size_expr(nbytes),
+                        device=str(tdev),
+                        on_device=True,
+                        def_step=first,
+                        last_step=last,
+                        use_steps=(),
+                        nodes=(f"{graph_name}:{ph.name} (layout copy)",),  # display only: no node holds it
+                        saved=(),
+                        last_fw_use=None,
+                        first_bw_use=None,
+                    )
+                )
+    return out
