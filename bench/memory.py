@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from offload_compiler import MemoryMeasurement, measure_peak_device_bytes
-from offload_compiler.runtime.accounting import resident_bytes
+from offload_compiler.runtime.accounting import ResidentStorages, replay_allocations, resident_bytes
 from offload_compiler.runtime.pool import live_pool_blocks
 
 __all__ = ["HOST_SCOPE", "measure_peak", "replay_cpu_trace"]
@@ -46,22 +46,15 @@ def replay_cpu_trace(prof, host_scope: str | None = HOST_SCOPE) -> tuple[int, in
             if fields.device.type == "cpu":
                 events.append((node.start_time_ns, fields.ptr, int(fields.alloc_size), in_host))
         stack.extend((child, in_host) for child in node.children)
-    events.sort(key=lambda e: e[0])
     pool_ptrs = {ptr for ptr, _ in live_pool_blocks()}
-    live: dict[int, int] = {}
-    current = peak = host = 0
-    for _, ptr, size, in_host in events:
-        if size > 0:
-            if in_host or ptr in pool_ptrs:
-                host += size
-                continue
-            live[ptr] = size
-            current += size
-            peak = max(peak, current)
-        else:
-            freed = live.pop(ptr, None)
-            if freed is not None:
-                current -= freed
+    host = sum(size for _, ptr, size, in_host in events if size > 0 and (in_host or ptr in pool_ptrs))
+    # The project's one replay (offload_compiler.runtime.accounting); host blocks' allocations
+    # left out (a free inside the host scope may be of a device block: it is kept).
+    replay = replay_allocations(
+        [(t, ptr, size) for t, ptr, size, in_host in events if size <= 0 or not (in_host or ptr in pool_ptrs)],
+        ResidentStorages({}),
+    )
+    peak, current = replay.peak_bytes, replay.end_bytes
     return peak, current, host
 
 

@@ -106,7 +106,7 @@ import numpy as np
 import torch
 
 from .passes.margins import OpKey, WorkspaceMargins, op_key
-from .runtime.accounting import ResidentStorages, param_release_call, resident_storages
+from .runtime.accounting import ResidentStorages, param_release_call, replay_allocations, resident_storages
 from .runtime.pool import live_pool_blocks
 
 __all__ = ["PlannedSteps", "StepMeasurement", "CheckedCompile", "MAX_REPLANS", "measure_step_enabled"]
@@ -340,32 +340,15 @@ def analyze(trace: _Trace, planned: PlannedSteps) -> StepMeasurement:
     ``None``), less those of its storages freed so far (a ``trinity::param_release`` call on one,
     or a free the allocator reports of one), plus the largest sum of the trace's allocations
     alive at once."""
-    live: dict[int, int] = {}
-    resident = ResidentStorages(trace.resident or {})
-    current = peak = 0
-    # At one time, a release call (kind 0) sorts before an allocator event (kind 1).
-    events = sorted(
-        [(t, 1, ptr, size) for t, ptr, size in trace.allocations] + [(t, 0, ptr, None) for t, ptr in trace.releases]
+    # ``offload="activations+params"`` releases parameters resident when the forward started
+    # after their last forward reader and fetches them back (an allocation the trace sees) for the
+    # backward; the CPU allocator does not report the free of a block allocated before the trace,
+    # so the release call says it (CUDA's reports it too: counted once).
+    replay = replay_allocations(
+        [*trace.allocations, *((t, ptr, None) for t, ptr in trace.releases)],
+        ResidentStorages(trace.resident or {}),
     )
-    for _, _, ptr, size in events:
-        if size is None or size < 0:
-            freed = live.pop(ptr, None) if size is not None else None
-            if freed is not None:
-                current -= freed
-            elif ptr not in live:
-                # A storage that was resident when the forward started (in ``base``):
-                # ``offload="activations+params"`` releases parameters after their last forward
-                # reader and fetches them back (an allocation the trace sees) for the backward.
-                # The CPU allocator does not report the free of a block allocated before the trace,
-                # so the release call says it; CUDA's reports it too (counted once).
-                current -= resident.free(ptr)
-            continue
-        old = live.pop(ptr, None)  # an address handed out again: its earlier free was not seen
-        if old is not None:
-            current -= old
-        live[ptr] = size
-        current += size
-        peak = max(peak, current)
+    peak = replay.peak_bytes
     base = planned.resident_bytes if trace.resident is None else sum(trace.resident.values())
     measured = base + peak
     transient: dict[OpKey, int] = {}

@@ -156,3 +156,30 @@ def test_warmup_allocations_count_until_the_measured_call_frees_them():
     holder["x"] = torch.empty(mib, dtype=torch.uint8)
     m = measure_peak_device_bytes(fn, device="cpu")
     assert mib // 2 <= m.peak_bytes < mib, m
+
+
+@pytest.mark.parametrize(
+    "events, resident, start, measured, end",
+    [
+        # 10, then +20 alive (30), free 10, +5 -> 25: the peak is 30, 25 left.
+        ([(1, 0xA, 10), (2, 0xB, 20), (3, 0xA, -10), (4, 0xC, 5)], {}, None, 30, 25),
+        # An address handed out again without its free seen: the first block is gone (not 10 + 10).
+        ([(1, 0xA, 10), (2, 0xA, 10)], {}, None, 10, 10),
+        # A resident storage (100 bytes) released by trinity::param_release (None) at the time of an
+        # allocation of 40: the release sorts first, so the step peaks at its start (100), not 140.
+        ([(1, 0xF, 40), (1, 0xD, None)], {0xD: 100}, None, 100, 40),
+        # The allocator's free of that storage after its release call stops counting it once; the
+        # 30 allocated afterwards stay below the 100 of the start.
+        ([(1, 0xD, None), (2, 0xD, -100), (3, 0xE, 30), (4, 0xF, 60)], {0xD: 100}, None, 100, 90),
+        # A warmup before start_ns is replayed, not measured: what it leaves alive (50) counts.
+        ([(1, 0xA, 50), (2, 0xB, 70), (3, 0xB, -70), (10, 0xC, 20)], {}, 5, 70, 70),
+    ],
+)
+def test_replay_allocations_hand_computed(events, resident, start, measured, end):
+    """The one replay behind every CPU measurement (measure_peak_device_bytes, the first steps'
+    check and bench/memory.py), on hand-computed event lists."""
+    from offload_compiler.runtime.accounting import ResidentStorages, replay_allocations
+
+    r = replay_allocations(events, ResidentStorages(dict(resident)), start)
+    assert sum(resident.values()) + r.peak_bytes == measured
+    assert r.end_bytes == end

@@ -37,6 +37,7 @@ __all__ = [
     "ResidentStorages",
     "measure_peak_device_bytes",
     "param_release_call",
+    "replay_allocations",
     "resident_bytes",
     "resident_storages",
 ]
@@ -141,6 +142,70 @@ class ResidentStorages:
         return n
 
 
+@dataclass(frozen=True)
+class Replay:
+    """Result of :func:`replay_allocations` (bytes).
+
+    Attributes:
+        peak_bytes: the most bytes of the replayed allocations alive at once (from ``start_ns`` on,
+            where given), less the resident storages freed by then.
+        end_bytes: the replayed allocations still alive at the end (resident frees not subtracted).
+    """
+
+    peak_bytes: int
+    end_bytes: int
+
+
+def replay_allocations(
+    events: Iterable[tuple[int, int, int | None]], resident: ResidentStorages, start_ns: int | None = None
+) -> Replay:
+    """Replay allocator events in time order: the one replay behind every CPU peak measurement
+    (:func:`measure_peak_device_bytes`, the first steps' check in ``step_check.py`` and the
+    benchmarks' ``bench/memory.py``).
+
+    Args:
+        events: ``(time ns, data pointer, bytes)``: bytes > 0 an allocation, < 0 a free, ``None``
+            a ``trinity::param_release`` call on the pointer (:func:`param_release_call`). The
+            caller leaves out what does not count (host-pool blocks, other devices). At one time a
+            release call sorts before an allocator event.
+        resident: the storages alive before the trace; a free (or release call) of a pointer not
+            allocated in the trace stops counting one of them (:meth:`ResidentStorages.free`).
+        start_ns: where given, the peak is of the events from this time on (a warmup before it
+            is replayed for its allocations, not measured).
+
+    An address handed out again without its free seen drops the earlier block first (the
+    allocator reuses an address only after it is freed).
+    """
+    order = sorted(events, key=lambda e: (e[0], 0 if e[2] is None else 1, e[1]))
+    live: dict[int, int] = {}
+    current = 0
+    measuring = start_ns is None
+    peak = 0
+    for t_ns, ptr, size in order:
+        if not measuring and t_ns >= start_ns:
+            measuring, peak = True, current - resident.freed_bytes
+        if size is not None and size > 0:
+            old = live.pop(ptr, None)
+            if old is not None:
+                current -= old
+            live[ptr] = size
+            current += size
+            if measuring:
+                peak = max(peak, current - resident.freed_bytes)
+            continue
+        freed = live.pop(ptr, None) if size is not None else None
+        if freed is not None:
+            current -= freed
+        elif ptr not in live:
+            # A storage allocated before the trace: counted in ``resident`` up to here if the
+            # caller put it there. Frees of others are not known here; ignoring them can only
+            # overstate the peak.
+            resident.free(ptr)
+    if not measuring:
+        peak = current - resident.freed_bytes
+    return Replay(peak_bytes=int(peak), end_bytes=int(current))
+
+
 def _walk(nodes):
     stack = list(nodes)
     while stack:
@@ -221,34 +286,15 @@ def measure_peak_device_bytes(
         release = param_release_call(node)
         if release is not None:
             events.append((*release, None))
-    events.sort(key=lambda e: e[0])
     pool_ptrs = {ptr for ptr, _ in live_pool_blocks()}
-    live: dict[int, int] = {}
-    current = peak = pool_bytes = 0  # bytes allocated under the trace and alive
-    measuring = start_ns is None
-    for t_ns, ptr, size in events:
-        if not measuring and t_ns >= start_ns:
-            measuring, peak = True, current - held.freed_bytes
-        if size is not None and size > 0:
-            if ptr in pool_ptrs:
-                if measuring:
-                    pool_bytes += size
-                continue
-            live[ptr] = size
-            current += size
-            if measuring:
-                peak = max(peak, current - held.freed_bytes)
-        else:
-            freed = live.pop(ptr, None) if size is not None else None
-            if freed is not None:
-                current -= freed
-            elif ptr not in live:
-                # A storage allocated before the trace: counted in ``resident`` up to here if the
-                # caller put it there. Frees of others are not known here; ignoring them can only
-                # overstate the peak.
-                held.free(ptr)
-    if not measuring:
-        peak = current - held.freed_bytes
+    # Host-pool blocks are host memory: counted apart (those allocated while measuring).
+    pool_bytes = sum(
+        size
+        for t_ns, ptr, size in events
+        if size is not None and size > 0 and ptr in pool_ptrs and (start_ns is None or t_ns >= start_ns)
+    )
+    replay = replay_allocations((e for e in events if e[1] not in pool_ptrs), held, start_ns)
+    peak, current = replay.peak_bytes, replay.end_bytes
     return MemoryMeasurement(
         peak_bytes=base + peak,
         resident_bytes=base,
