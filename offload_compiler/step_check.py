@@ -121,6 +121,10 @@ _ATTEMPTS = 3
 # less than this.
 MIN_TRANSIENT_BYTES = 4096
 
+# Training calls in a row under someone else's profiler before the check warns that the first
+# step is still unmeasured (CheckedCompile._note_profiled_call).
+PROFILED_CALLS_WARN = 3
+
 
 def measure_step_enabled() -> bool:
     """Whether a measurement can start on this thread now (no profiler is running)."""
@@ -603,13 +607,34 @@ class CheckedCompile:
         grad = torch.is_grad_enabled()
         if self._state == "pending":
             self._abandon_if_stale(grad)
-        if self._state == "measure" and grad and measure_step_enabled():
-            return self._measured_forward(args)
+        if self._state == "measure" and grad:
+            if measure_step_enabled():
+                return self._measured_forward(args)
+            self._note_profiled_call()
         out = self._current(*args)
         node = self._track(args, out, window=self._state == "pending") if grad else None
         if node is None and self._state == "pending":
             self._count_pending_call()
         return out
+
+    def _note_profiled_call(self) -> None:
+        """A training call that the check could not measure because a profiler was already
+        running (``torch.profiler``, or :func:`~offload_compiler.measure_peak_device_bytes` on
+        the CPU, which uses one): after :data:`PROFILED_CALLS_WARN` of them in a row, warn once
+        that the plan is still unchecked (a reused block graph's runs not counted, no workspace
+        margin), instead of running unchecked in silence."""
+        self._profiled_calls = getattr(self, "_profiled_calls", 0) + 1
+        if self._profiled_calls == PROFILED_CALLS_WARN:
+            label = self.report.graph_id if self.report is not None else "?"
+            warnings.warn(
+                f"trinity graph {label}: runtime_check={self._mode!r} has not measured this pair's first step: "
+                f"its last {PROFILED_CALLS_WARN} training calls ran while a profiler was on (torch.profiler, or "
+                "offload_compiler.measure_peak_device_bytes on the CPU). Until one step runs without a profiler, "
+                "the plan is unchecked: the runs of a block graph reused in one step are not counted and no "
+                "measured workspace is planned for, so the step can exceed its budget. Run one training step "
+                "without a profiler first, then measure.",
+                stacklevel=3,
+            )
 
     def _params_of(self, args) -> tuple[torch.Tensor, ...]:
         out = []

@@ -186,6 +186,30 @@ def test_a_running_profiler_defers_the_measurement():
     assert _report(sbs).measured_peak_bytes is not None
 
 
+def test_first_steps_all_under_a_profiler_warn_that_the_plan_is_unchecked():
+    # A new user measured every step with measure_peak_device_bytes (it runs a profiler on the
+    # CPU): the check never ran, and a reused block graph went 2x over budget in silence.
+    sbs = SideBySide(lambda: ScratchMLP(factor=2), "eager")
+    batch = scratch_batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(step_check.PROFILED_CALLS_WARN):
+            _measure(sbs, batch)
+    unchecked = [w for w in caught if "has not measured this pair's first step" in str(w.message)]
+    assert len(unchecked) == 1, [str(w.message) for w in caught]
+    assert f"last {step_check.PROFILED_CALLS_WARN} training calls ran while a profiler was on" in str(
+        unchecked[0].message
+    )
+    assert _report(sbs).measured_peak_bytes is None
+    # One step without a profiler: measured, and no second warning.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sbs.step(batch)
+        assert _report(sbs).measured_peak_bytes is not None
+        _measure(sbs, batch)
+    assert not [w for w in caught if "has not measured this pair's first step" in str(w.message)]
+
+
 def test_a_model_without_unmodelled_workspace_is_not_replanned():
     sbs = SideBySide(models.MLP, "eager")
     batch = models.mlp_batch()
