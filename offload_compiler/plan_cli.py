@@ -205,6 +205,24 @@ def model_builder(model, seq_len: int, hf_overrides: dict):
             near = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=5, cutoff=0.6)
             hint = f"; closest: {', '.join(near)}" if near else "; e.g. hf:gpt2, hf:llama, hf:mistral, hf:qwen2"
             raise ValueError(f"model {model!r}: transformers has no model type {model_type!r}{hint}") from None
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise ValueError(
+                f"model {model!r}: plan traces causal language models (token ids in, next-token loss), and "
+                f"transformers has no causal LM for {model_type!r}; e.g. hf:gpt2, hf:llama, hf:mistral, hf:qwen2"
+            )
+        for key, value in hf_overrides.items():
+            before = getattr(default, key, None)
+            if (
+                isinstance(value, int)
+                and not isinstance(value, bool)
+                and isinstance(before, int)
+                and not isinstance(before, bool)
+                and before >= 0
+                and value < 0
+            ):
+                raise ValueError(f"--hf {key}={value}: {key} is a count or size (default {before}); it must be >= 0")
         unknown = [k for k in hf_overrides if not hasattr(default, k)]
         if unknown:
             import difflib
@@ -222,6 +240,19 @@ def model_builder(model, seq_len: int, hf_overrides: dict):
             raise ValueError(
                 f"--hf overrides {hf_overrides!r} for {model!r}: {' '.join(x.strip() for x in first)}"
             ) from None
+        limit = next(
+            (
+                getattr(config, k)
+                for k in ("max_position_embeddings", "n_positions")
+                if isinstance(getattr(config, k, None), int)
+            ),
+            None,
+        )
+        if limit is not None and seq_len > limit:
+            raise ValueError(
+                f"model {model!r} takes sequences up to {limit} positions, got --seq-len {seq_len} "
+                f"(lower --seq-len, or raise it with --hf max_position_embeddings=...)"
+            )
         return (lambda: HFCausalLM(AutoModelForCausalLM.from_config(config))), config.vocab_size
     preset = get_preset(model)
     if preset.max_seq_len is not None and seq_len > preset.max_seq_len:
@@ -639,6 +670,10 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(width=max(160, Console().width))
     try:
+        for flag, value in (("--png", args.png), ("--json", args.json)):
+            # Checked before the trace (tens of seconds), not after it.
+            if value and not Path(value).resolve().parent.is_dir():
+                raise ValueError(f"{flag} {value!r}: the folder {str(Path(value).resolve().parent)!r} does not exist")
         if args.dtype not in _DTYPES:
             raise ValueError(f"--dtype {args.dtype!r} is not one of {', '.join(_DTYPES)}")
         spec = lookup_device(args.device)

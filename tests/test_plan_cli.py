@@ -256,6 +256,11 @@ def test_step_without_offloading_is_the_unplanned_pairs_whatever_the_first_budge
         (["--model", "hf:lama"], "no model type 'lama'; closest: llama"),
         # A value starting with "-" reaches the size parser instead of argparse's option lookup.
         (["--model", "demo", "--budgets", "-5GiB"], "--budgets: '-5GiB' is not a size"),
+        # Found by a new-user trial: each ended in a traceback, or planned nonsense.
+        (["--model", "hf:bert", "--hf", "num_hidden_layers=1"], "takes sequences up to 512 positions"),
+        (["--model", "hf:vit"], "transformers has no causal LM for 'vit'"),
+        (["--model", "hf:gpt2", "--hf", "n_layer=-1"], "n_layer is a count or size (default 12); it must be >= 0"),
+        (["--model", "demo", "--json", "/nonexistent-dir/x.json"], "the folder '/nonexistent-dir' does not exist"),
     ],
 )
 def test_transformers_and_size_arguments_get_clear_errors(args, message, capsys):
