@@ -937,6 +937,7 @@ class CompileSession:
                 " (earlier pairs are replanned to keep less only with runtime_check='replan' and offload='activations')",
             )
         before = ledger.caps()
+        original = the_plan
         first_lowest = the_plan.predictions.lowest_reachable_peak_bytes
         for _ in range(3):  # the lowest peak with recomputation is an estimate: a few rounds
             excess = the_plan.predictions.lowest_reachable_peak_bytes - the_plan.step_budget_bytes
@@ -960,6 +961,15 @@ class CompileSession:
             )
             return the_plan, ""
         others = ledger.earlier(key)
+        # Caps that do not lower the step's peak buy nothing (copies for no memory): the step's
+        # peak is then an earlier pair's own (its plan above the budget already), not this one's.
+        earlier_peak = max((e.step_peak_bytes for _k, e in others), default=0)
+        if max(earlier_peak, the_plan.predictions.lowest_reachable_peak_bytes) >= max(earlier_peak, first_lowest):
+            ledger.restore_caps(before)
+            return original, (
+                f" (earlier pairs are not replanned to keep less: the step's peak is an earlier pair's own, "
+                f"{earlier_peak} bytes, which that would not lower)"
+            )
         floor = sum(e.kept_floor_bytes * e.runs for _k, e in others)
         kept = sum(e.kept_bytes * e.runs for _k, e in others)
         note = (
@@ -993,6 +1003,7 @@ class CompileSession:
             return
         before = ledger.caps()
         if self._can_cap():
+            uncapped_peak = step.predicted_peak_bytes
             for k in ledger.keys():
                 p = dict(zip(ledger.keys(), ledger.report().pairs))[k]
                 if p.step_peak_bytes > budget:
@@ -1002,6 +1013,12 @@ class CompileSession:
             over = [p for p in step.pairs if p.step_peak_bytes > budget]
             if not over:
                 return
+            if step.predicted_peak_bytes >= uncapped_peak:
+                # The caps would not lower the step's peak (a pair's own plan is above the budget
+                # already): copies for no memory.
+                ledger.restore_caps(before)
+                step = ledger.report()
+                over = [p for p in step.pairs if p.step_peak_bytes > budget]
         worst = max(over, key=lambda p: p.step_peak_bytes)
         message = (
             f"trinity: memory_budget {opts.memory_budget.describe()} of the training step's unplanned peak "
