@@ -1021,7 +1021,7 @@ class CompileSession:
                 over = [p for p in step.pairs if p.step_peak_bytes > budget]
         worst = max(over, key=lambda p: p.step_peak_bytes)
         message = (
-            f"trinity: memory_budget {opts.memory_budget.describe()} of the training step's unplanned peak "
+            f"trinity: memory_budget {opts.memory_budget.value * 100:g}% of the training step's unplanned peak "
             f"{step.unplanned_peak_bytes} bytes is {budget} bytes; {len(over)} of its {len(step.pairs)} graph "
             f"pairs cannot stay within it, the worst {worst.label} at {worst.step_peak_bytes} bytes "
             f"({worst.own_planned_peak_bytes} its own, {worst.held_bytes} held by the rest of the step"
