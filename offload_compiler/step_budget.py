@@ -657,7 +657,7 @@ def join_step(gm, example_inputs, engine) -> StepPair | None:
     else:
         roots = owning_roots(gm, sorted(params))
         if not roots:
-            return None
+            return _join_by_ancestry(code, example_inputs, graph_break)
         root = holder = _enclosing_module(roots[0])
     ledger = getattr(holder, LEDGER_ATTR, None)
     if not isinstance(ledger, StepLedger) or not ledger.belongs_to(root):
@@ -681,6 +681,31 @@ def join_step(gm, example_inputs, engine) -> StepPair | None:
             label += f" (graph {k} of the frame)"
     alone = ddp is None and getattr(roots[0], "_compiled_call_impl", None) is not None
     return StepPair(ledger, key, label, {id(p): p for p in params.values()}, split, graph_break, alone)
+
+
+def _join_by_ancestry(code, example_inputs, graph_break: bool) -> StepPair | None:
+    """The :class:`StepPair` of a pair that reads no parameter (the loss after a graph break
+    inside a submodule: Dynamo resumes the outer frame, whose graph holds only the loss), in the
+    ledger of the pairs whose runs are alive among its inputs' autograd ancestors: it runs in
+    their step, beside what they keep. ``None`` where no such run is alive (a function of
+    tensors on its own: planned alone, as before). It never creates a ledger."""
+    from .step_check import runs_before
+
+    try:
+        runs = runs_before(example_inputs)
+    except Exception:  # noqa: BLE001  (fake inputs, or a graph that cannot be walked: none known)
+        return None
+    steps = [r.session.step for r in runs if r.session.step is not None]
+    if not steps:
+        return None
+    ledger = steps[0].ledger
+    alive = {st.key for st in steps if st.ledger is ledger}
+    key, k = (code, 0), 1
+    while key in alive:
+        key = (code, 0, k)
+        k += 1
+    label = code.co_name + " (no parameters; in the step of the pairs its inputs come from)"
+    return StepPair(ledger, key, label, {}, None, graph_break, False)
 
 
 def _alive_keys(example_inputs, ledger: StepLedger) -> set:

@@ -7,11 +7,13 @@ Each run compares gradients with ``aot_eager`` and measures the step's peak (the
 trace, parameters and the input declared resident) against the step's budget.
 """
 
+import copy
 import re
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import offload_compiler
 from bench.step_budget import REUSE_ROWS, REUSE_WIDTH, Blocks, Broken  # the step-budget benchmark's models
@@ -427,3 +429,45 @@ def test_kept_cap_of_the_model_state_is_validated():
     for bad in (-1, True):
         with pytest.raises(ValueError, match="ModelState.kept_cap_bytes must be None or >= 0 bytes"):
             ModelState(kept_cap_bytes=bad)
+
+
+class _LossOutside(nn.Module):
+    """The loss in the outer module, a graph break inside the inner one: Dynamo resumes the outer
+    frame after the inner call, and that graph (the loss) reads no parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, x, y):
+        return F.mse_loss(self.inner(x), y)
+
+
+def test_a_pair_without_parameters_joins_the_step_of_its_inputs():
+    # Found by a new-user trial: the loss pair was planned alone, against its own percentage
+    # (refused with on_infeasible="error"), and left out of step_report.
+    torch.manual_seed(0)
+    model = _LossOutside()
+    x, y = torch.randn(512, 64), torch.randn(512, 64)
+    ref = copy.deepcopy(model)
+    opts = {"inner": "eager", "memory_budget": "85%", "min_offload_bytes": 0, "on_infeasible": "error"}
+    compiled = torch.compile(model, backend="trinity", options=opts)
+    for _ in range(2):
+        compiled(x, y).backward()
+        ref(x, y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    report = step_report(model)
+    labels = [p.label for p in report.pairs]
+    assert len(report.pairs) == 3, labels
+    loss_pair = [p for p in report.pairs if "no parameters" in p.label]
+    assert len(loss_pair) == 1 and loss_pair[0].param_bytes == 0, labels
+    # It runs beside the other pairs' kept activations and the whole model state.
+    assert loss_pair[0].held_bytes >= 2 * nbytes(model.parameters()), report.summary()
+    m = measure_peak_device_bytes(
+        lambda: compiled(x, y).backward(), resident=list(model.parameters()) + [x, y], device="cpu"
+    )
+    assert report.within_budget, report.summary()
+    assert m.peak_bytes <= report.budget_bytes + PEAK_SLACK_BYTES, report.summary()
