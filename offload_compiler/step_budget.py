@@ -79,8 +79,10 @@ also set on the inner module, so both sides of the break share it. Pairs are ide
 frame's code object and their split index, so a recompile of a frame (another input shape)
 replaces that pair's entry, unless the entry's pair has a run alive among the new pair's inputs'
 autograd ancestors (the first block's own graph, whose input needs no gradient, and the graph
-the other blocks run: both are one step). A pair whose parameters no module owns (a function of
-tensors) is planned alone, as before. :func:`step_report` of a model whose blocks were compiled
+the other blocks run: both are one step). A pair that reads no parameter (the loss after a graph
+break inside a submodule, whose graph is the outer frame's resume) joins the ledger of the pairs
+whose runs are alive among its inputs' autograd ancestors; one with none (a function of tensors on
+its own) is planned alone, as before. :func:`step_report` of a model whose blocks were compiled
 one by one and run outside any module gathers the blocks' ledgers.
 
 **What it does not cover** (see README "Distributed"): memory outside the compiled graphs (eager
