@@ -988,8 +988,7 @@ class CheckedCompile:
             correction=old_report.correction,
             reuse_measured=old_report.reuse_measured,
         )
-        _replace(old_report, final, drop=recorded)
-        session.reports[-1] = final
+        self._record_final(old_report, final, recorded, session)
         holding = session.step_holding
         if holding is not None and holding.kept_bytes > cap:
             self._cap_tried = cap
@@ -998,6 +997,18 @@ class CheckedCompile:
                 f"for a later graph pair, it still keeps {holding.kept_bytes} bytes",
                 stacklevel=3,
             )
+        self._install(compiled, session)
+
+    def _record_final(self, old_report, final, recorded, session) -> None:
+        """Put the replanned pair's report ``final`` (``recorded`` with the old graph id and the
+        check's figures) in the report log in place of ``old_report``."""
+        _replace(old_report, final, drop=recorded)
+        session.reports[-1] = final
+
+    def _install(self, compiled, session) -> None:
+        """Run ``compiled`` (a replan's compile, with ``session``) from the next call on; the old
+        compiled function stays alive for the autograd graphs recorded with it, and its host
+        pool's free blocks are released."""
         with self._lock:
             self._retired.append((self._current, self._session))
             self._session.runtime.pool.release_free()
@@ -1081,15 +1092,8 @@ class CheckedCompile:
             correction=correction,
             reuse_measured=old_report.reuse_measured,
         )
-        _replace(old_report, final, drop=recorded)
-        session.reports[-1] = final
-        with self._lock:
-            self._retired.append((self._current, self._session))
-            self._session.runtime.pool.release_free()
-            self._current = compiled
-            self._session = session
-            self._state = "measure" if self._checkable() else "done"
-        self._resolve_waiting()
+        self._record_final(old_report, final, recorded, session)
+        self._install(compiled, session)
 
 
 def _replace(old, new, drop=None) -> None:
