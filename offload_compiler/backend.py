@@ -155,9 +155,12 @@ def _with_runtime_check(compiled, gm, example_inputs, options, mode):
             for x in example_inputs
         ]
 
-        def recompile(margins, reuse=None):
+        def recompile(margins, reuse=None, grad_bytes=0):
             with torch._guards.tracing(ctx) if ctx is not None else contextlib.nullcontext():
-                compiled = _compile(gm, fakes, options, mode, {}, margins=margins, step=session.step, reuse=reuse)
+                compiled = _compile(
+                    gm, fakes, options, mode, {}, margins=margins, step=session.step, reuse=reuse, grad_bytes=grad_bytes
+                )
+                _push_ddp_bucket(ctx)
             again = session_of(compiled)
             if again is not None:
                 again.param_positions = session.param_positions
@@ -166,7 +169,24 @@ def _with_runtime_check(compiled, gm, example_inputs, options, mode):
     return CheckedCompile(compiled, session, recompile, session.options.runtime_check)
 
 
-def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=None, reuse=None):
+def _push_ddp_bucket(ctx) -> None:
+    """After a replan's compile of one of DDP's graph splits, do what DDP's splitter does after
+    each split's compile (``torch/_dynamo/backends/distributed.py``, ``SubmodCompiler``): push the
+    split's forward metadata on the tracing context's ``ddp_optimizer_ctx``. AOTAutograd compiles
+    the backward lazily, at its first run, and pops one entry from that stack there (Note
+    [DDPOptimizer and fw_metadata] in ``runtime_wrappers.py``); without the push it finds an empty
+    stack ("expected same # of fw and bw compiles, but found bucket -1"). A replan runs at a call
+    after the step whose backwards popped the compile's own entries, and the backwards of several
+    replanned splits run in reverse order of their forwards, so a stack keeps them matched."""
+    ddp_ctx = getattr(ctx, "ddp_optimizer_ctx", None) if ctx is not None else None
+    if ddp_ctx is None or ctx.fw_metadata is None:
+        return
+    ddp_ctx.curr_bucket += 1
+    del ddp_ctx.metadata_per_bucket[ddp_ctx.curr_bucket :]
+    ddp_ctx.metadata_per_bucket.append(ctx.fw_metadata)
+
+
+def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=None, reuse=None, grad_bytes=0):
     if unexpected:
         raise ValueError(
             f"trinity backend: unexpected arguments {sorted(unexpected)}; pass trinity's settings as "
@@ -189,6 +209,14 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
     session = CompileSession(opts, device, runtime)
     session.margins = margins
     session.reuse = reuse  # the runs per step the runtime check measured (step_budget.StepReuse)
+    # The gradients the pair's parameters hold from an earlier backward (gradient accumulation):
+    # what the runtime check saw at a later call, or what is there now.
+    from .param_offload import real_parameters
+    from .step_budget import accumulated_grad_bytes
+
+    session.accumulated_grad_bytes = max(
+        grad_bytes, accumulated_grad_bytes(real_parameters(example_inputs, gm).values(), device)
+    )
     from .step_budget import join_step
 
     # The training step's ledger (step_budget.py); a replan of the runtime check keeps the pair's.

@@ -781,6 +781,11 @@ class CompileSession:
         # How often the pair runs at once in one step and what runs beside it, as the runtime
         # check measured the first step (step_budget.StepReuse; set by the backend's recompile).
         self.reuse = None
+        # Device bytes of the pair's own parameters' gradients that exist when its forward runs
+        # (gradient accumulation: DDP's no_sync(), zero_grad(set_to_none=False)): held through
+        # the pair, counted like what the rest of the step holds. Seen at the compile, or at a
+        # later call by the runtime check, which plans the pair again for them (step_check.py).
+        self.accumulated_grad_bytes = 0
         # Read by the runtime check after the plan: the forward positions of the parameter
         # inputs (set by the backend), and per run the saved activations the plan keeps on the
         # device across the forward/backward boundary, unplanned, and the non-parameter inputs
@@ -799,8 +804,9 @@ class CompileSession:
     def model_state(self, pair: GraphPair) -> ModelState:
         """The :class:`ModelState` of ``pair``: its parameter inputs that have slots
         (``offload`` other than ``"activations"``), with their slots' host bytes, what the
-        training step holds outside it (:mod:`.step_budget`; not with ``memory_budget="auto"``)
-        and, once the runtime check measured the pair running N times per step
+        training step holds outside it (:mod:`.step_budget`; not with ``memory_budget="auto"``),
+        the gradients its own parameters hold from an earlier backward
+        (:attr:`accumulated_grad_bytes`; not with ``"auto"`` either) and, once the runtime check measured the pair running N times per step
         (:attr:`reuse`), the reuse count and what the earlier runs and other pairs' runs hold
         besides their kept saved activations."""
         held = (0, 0, 0)
@@ -815,6 +821,10 @@ class CompileSession:
         reuse = self.reuse
         if reuse is not None:
             held = (held[0] + reuse.held_bytes, held[1] + reuse.held_unplanned_bytes, held[2])
+        if self.accumulated_grad_bytes and self.options.memory_budget.kind in ("bytes", "fraction"):
+            # (An "auto" budget is the free memory, which they have already taken.)
+            g = self.accumulated_grad_bytes
+            held = (held[0] + g, held[1] + g, held[2])
         self.step_held = held
         static = set(pair.static_input_indices)
         params = {i: (s.id, s.host_bytes) for i, s in self.param_slots.items() if i in static}
@@ -1107,10 +1117,25 @@ class CompileSession:
                         f"and parameters, other graph pairs) holds {the_plan.model_state.held_bytes} bytes"
                     )
                 else:
-                    held_text = (
-                        f"The training step's other graph pairs hold {self.step_held[0]} bytes while this one runs"
-                        + cap_note
+                    grads = the_plan.model_state.held_bytes and self.accumulated_grad_bytes
+                    others = self.step_held[0] - (grads or 0)
+                    grads_text = (
+                        f"this pair's parameters hold {grads} bytes of gradients from an earlier backward (gradient "
+                        "accumulation: no_sync(), zero_grad(set_to_none=False); zero_grad() between steps frees them)"
                     )
+                    if not grads:
+                        held_text = (
+                            f"The training step's other graph pairs hold {self.step_held[0]} bytes while this one runs"
+                            + cap_note
+                        )
+                    elif others:
+                        held_text = (
+                            f"The training step's other graph pairs hold {others} bytes{cap_note} and {grads_text} "
+                            "while this one runs"
+                        )
+                    else:
+                        held_text = grads_text[0].upper() + grads_text[1:] + " while it runs"
+
                 reach = (
                     f"{held_text}, so the lowest budget that runs is"
                     f" memory_budget='{plan_window.lowest_budget_percent(lowest, step_unplanned)}' of the step's"
@@ -1140,7 +1165,7 @@ class CompileSession:
                 reach_override=reach,
             )
             message += plan_recompute.infeasible_note(joint.recompute)
-            if in_step and self.step is not None and self.step.ledger.entries:
+            if in_step and self.step is not None and any(k != self.step.key for k in self.step.ledger.keys()):
                 # This pair is not in the ledger yet: the summary lists the step's earlier pairs.
                 message += "\nThe step's pairs compiled before this one: " + self.step.ledger.report().summary()
             if self._reuse_defers():
@@ -1214,6 +1239,9 @@ class CompileSession:
             recompute=plan_recompute.summary(joint.recompute),
             decisions=plan_recompute.decisions(joint),
             fits_without_plan=joint.recompute.fits_without_plan,
+            accumulated_grad_bytes=self.accumulated_grad_bytes
+            if opts.memory_budget.kind in ("bytes", "fraction")
+            else 0,
         )
         if dumper:
             dumper.text("report.json", report.to_json())

@@ -142,6 +142,10 @@ class TrinityReport:
             ledger's holdings (:mod:`offload_compiler.step_budget`) and, with ``reuse_count`` >
             1, the earlier runs' inputs and parameters and the other pairs' runs beside it
             (``reuse_held_bytes`` not included).
+        accumulated_grad_bytes: the part of ``held_bytes`` that is the gradients of the pair's
+            own parameters left by an earlier backward when its forward runs (gradient
+            accumulation: DDP's ``no_sync()``, ``zero_grad(set_to_none=False)``); seen at the
+            compile or by the runtime check at a later call, which plans the pair again for them.
     """
 
     graph_id: int
@@ -181,6 +185,7 @@ class TrinityReport:
     reuse_measured: int | None = None
     reuse_held_bytes: int = 0
     held_bytes: int = 0
+    accumulated_grad_bytes: int = 0
 
     @classmethod
     def from_plan(
@@ -379,6 +384,11 @@ class TrinityReport:
             else:
                 covers = f"the plan covers {self.reuse_count} run(s) at a time; not planned again"
             lines.append(f"  reuse      run {runs} times per step (measured in the first step); {covers}")
+        if self.accumulated_grad_bytes:
+            lines.append(
+                f"  gradients  {format_bytes(self.accumulated_grad_bytes)} of its parameters' gradients from an earlier "
+                "backward (gradient accumulation) are held through the step and counted in the plan"
+            )
         if self.measured_peak_bytes is not None:
             # The measurement is of the pair's own run: its share is what the rest leaves.
             share = None if self.budget_bytes is None else self.budget_bytes - self.held_bytes - self.reuse_held_bytes

@@ -17,7 +17,13 @@ counts:
   micro-step under gradient accumulation; none for parameters whose gradients go to host memory
   with ``"all"``); counted for the whole pair, forward included, and also for earlier pairs'
   parameters whose gradients do not exist yet (conservative);
-* under DDP, the reducer's gradient buckets (the bytes of the parameters DDP reduces).
+* under DDP, the reducer's gradient buckets (the bytes of the parameters DDP reduces);
+* the pair's **own** parameters' gradients, when an earlier backward left them for this one to
+  accumulate into (DDP's ``no_sync()`` micro-steps, ``zero_grad(set_to_none=False)``): held from
+  the pair's forward on (:func:`accumulated_grad_bytes`). The compile sees them when they exist
+  then; they mostly appear at a later call (the second micro-step, the second step), where the
+  runtime check (``step_check.py``) plans the pair again with them, before that call runs (with
+  ``runtime_check="replan"`` and ``offload="activations"``; otherwise it warns with their bytes).
 
 A later pair's saved activations are never alive while pair ``i`` runs (its backward has freed
 them before ``Bi``), so planning the pairs one after another in compile order, which is forward
@@ -92,7 +98,7 @@ the first step's check sees beside a pair's run); a reused pair's ``N`` is what 
 measured step showed (a step with more runs later is not seen), and it is replanned only with
 ``runtime_check="replan"`` (the default) and ``offload="activations"``; earlier pairs are
 capped for a later one (above) only with the same options, not for a later pair run N times per
-step, and the step during which a cap is decided runs above the budget; under gradient accumulation, the pair's own gradients from the earlier micro-step; and
+step, and the step during which a cap is decided runs above the budget; and
 ``memory_budget="auto"``, which is the free device memory at each pair's compile (what the
 others already hold is not free), without the ledger's holdings.
 """
@@ -108,7 +114,16 @@ import torch
 
 from .options import format_bytes
 
-__all__ = ["PairHolding", "StepLedger", "StepPair", "StepReport", "StepReuse", "join_step", "step_report"]
+__all__ = [
+    "PairHolding",
+    "StepLedger",
+    "StepPair",
+    "StepReport",
+    "StepReuse",
+    "accumulated_grad_bytes",
+    "join_step",
+    "step_report",
+]
 
 LEDGER_ATTR = "_trinity_step_ledger"
 
@@ -283,6 +298,44 @@ def _nbytes(t: torch.Tensor) -> int:
     """Bytes of ``t`` on its rank (a DTensor's local shard)."""
     t = _local(t)
     return t.numel() * t.element_size()
+
+
+def accumulated_grad_bytes(params, device: torch.device | str) -> int:
+    """Device bytes of the gradients that ``params`` hold now: what an earlier backward left in
+    ``p.grad`` for the next one to accumulate into (gradient accumulation: DDP's ``no_sync()``,
+    ``zero_grad(set_to_none=False)``). They stay allocated through the next forward and backward,
+    and the backward's new gradients are added into them.
+
+    Args:
+        params: the parameters a graph pair reads (a DTensor counts its local shard).
+        device: the pair's device; gradients elsewhere (host memory) do not count.
+
+    Returns:
+        Bytes; each gradient storage once. A gradient that is a view into a larger buffer
+        (DDP's ``gradient_as_bucket_view=True``, whose buckets the ledger counts already) is not
+        counted, nor is a parameter without ``.grad``.
+    """
+    device = torch.device(device)
+    seen: set[int] = set()
+    total = 0
+    for p in params:
+        g = getattr(p, "grad", None)
+        if g is None:
+            continue
+        g = _local(g)
+        if g.device.type != device.type or (device.index is not None and g.device.index not in (None, device.index)):
+            continue
+        try:
+            storage = g.untyped_storage()
+            ptr, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
+            continue
+        own = g.numel() * g.element_size()
+        if ptr in seen or size > own:
+            continue
+        seen.add(ptr)
+        total += size
+    return total
 
 
 class StepLedger:

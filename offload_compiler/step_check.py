@@ -534,8 +534,9 @@ class CheckedCompile:
         compiled: the compiled function of one backend call (AOTAutograd's, Inductor's).
         session: its :class:`~offload_compiler.pipeline.CompileSession` (the report, the planned
             accounting, the runtime).
-        recompile: ``(margins, reuse) -> compiled function`` (the backend compiled again with the
-            margins and the measured :class:`~offload_compiler.step_budget.StepReuse`; its session
+        recompile: ``(margins, reuse, grad_bytes) -> compiled function`` (the backend compiled
+            again with the margins, the measured :class:`~offload_compiler.step_budget.StepReuse`
+            and the bytes of gradients the pair's parameters hold from an earlier backward; its session
             is read from the function, see :func:`session_of`), or ``None`` where replanning is
             not supported (the check then measures and reports only).
         mode: ``"replan"`` or ``"measure"`` (``TrinityOptions.runtime_check``).
@@ -578,6 +579,11 @@ class CheckedCompile:
         # A cap on the kept saved activations that a later pair of the step asked for and that a
         # replan failed to meet (not tried again).
         self._cap_tried: int | None = None
+        # The gradients of the pair's parameters left by an earlier backward (gradient
+        # accumulation) that its plan counts (bytes), and whether no call can show more (the plan
+        # counts all of them, or they cannot be planned for and the warning was given).
+        self._grad_bytes = session.accumulated_grad_bytes if session is not None else 0
+        self._grads_settled = session is None or session.options.memory_budget.kind not in ("bytes", "fraction")
         step = session.step if session is not None else None
         if step is not None and recompile is not None and mode == "replan":
             step.ledger.register_replanner(step.key, self)  # a later pair may cap this one
@@ -600,10 +606,13 @@ class CheckedCompile:
         if self._due_error is not None:
             err, self._due_error = self._due_error, None
             raise err
+        grads_due = not self._grads_settled and self._grads_due(args)
         if self._due is not None:
-            self._replan()  # (reads the ledger's cap too)
+            self._replan()  # (reads the ledger's cap and the gradients too)
         elif self._cap_due():
             self._replan_for_cap()
+        elif grads_due:
+            self._replan_for_grads()
         grad = torch.is_grad_enabled()
         if self._state == "pending":
             self._abandon_if_stale(grad)
@@ -941,6 +950,47 @@ class CheckedCompile:
         else:
             warnings.warn(message + " (on_infeasible='warn': using the lowest-peak plan)", stacklevel=3)
 
+    def _grads_due(self, args) -> bool:
+        """Whether the pair's parameters now hold more gradients from an earlier backward than
+        its plan counts (gradient accumulation: the second ``no_sync()`` micro-step, the step after
+        ``zero_grad(set_to_none=False)``): they stay allocated through this call's forward and
+        backward. Where the pair can be planned again (``runtime_check="replan"``,
+        ``offload="activations"``) the new amount is kept for :meth:`_replan_for_grads` (or the
+        replan due at this call); else it warns once that the step can exceed the budget by it."""
+        params = self._params_of(args)
+        if not any(getattr(t, "grad", None) is not None for t in params):
+            return False
+        from .step_budget import _nbytes, accumulated_grad_bytes
+
+        got = accumulated_grad_bytes(params, self._session.device)
+        if got <= self._grad_bytes:
+            if self._grad_bytes >= sum(_nbytes(t) for t in params if t.requires_grad):
+                self._grads_settled = True  # the plan counts every gradient these parameters have
+            return False
+        if self._recompile is None or self._mode != "replan":
+            self._grads_settled = True
+            label = self.report.graph_id if self.report is not None else "?"
+            why = "runtime_check='measure'" if self._mode != "replan" else f"offload={self._session.options.offload!r}"
+            warnings.warn(
+                f"trinity graph {label}: its parameters hold {got} bytes of gradients from an earlier backward "
+                "(gradient accumulation: DDP's no_sync(), zero_grad(set_to_none=False)) that stay allocated through "
+                f"this forward and backward; its plan counts {self._grad_bytes}. With {why} it is not planned again "
+                "for them (only runtime_check='replan' with offload='activations' is), so the step can exceed "
+                f"the budget by up to {got - self._grad_bytes} bytes. Use zero_grad(set_to_none=True) (the default) "
+                "where there is no accumulation, or lower memory_budget by that much.",
+                stacklevel=3,
+            )
+            return False
+        self._grad_bytes = got
+        return True
+
+    def _replan_for_grads(self) -> None:
+        """Plan the pair again with the gradients its parameters hold from an earlier backward
+        (:meth:`_grads_due`), at this call, before its forward runs."""
+        self._replan_again(
+            f"for the {self._grad_bytes} bytes of gradients its parameters hold from an earlier backward"
+        )
+
     def _cap_due(self) -> bool:
         """Whether a later pair of the step capped this pair's kept saved activations
         (:meth:`~offload_compiler.step_budget.StepLedger.set_caps`) since its plan."""
@@ -953,34 +1003,58 @@ class CheckedCompile:
 
     def _replan_for_cap(self) -> None:
         """Plan the pair again with the cap the step ledger holds for it (at this call: the
-        start of the step after the one whose later pair asked for it, never inside a step),
-        with the margins and runs the check measured so far. The report keeps its graph id and
-        measured correction; the new plan's first step is measured again."""
+        start of the step after the one whose later pair asked for it, never inside a step)."""
+        step = self._session.step
+        cap = step.ledger.kept_cap(step.key)
+        from .pipeline import InfeasibleBudgetError
+
+        try:
+            session = self._replan_again(
+                f"to keep at most {cap} bytes of saved activations for a later graph pair of the step"
+            )
+        except InfeasibleBudgetError:
+            self._cap_tried = cap  # (not tried again)
+            raise
+        if session is None:
+            self._cap_tried = cap
+            return
+        holding = session.step_holding
+        if holding is not None and holding.kept_bytes > cap:
+            self._cap_tried = cap
+            warnings.warn(
+                f"trinity graph {self.report.graph_id}: planned again to keep at most {cap} bytes of saved activations "
+                f"for a later graph pair, it still keeps {holding.kept_bytes} bytes",
+                stacklevel=4,
+            )
+
+    def _replan_again(self, why: str):
+        """Plan the pair again with what the step holds now (the ledger's cap on this pair, the
+        gradients its parameters hold) and the margins and runs the check measured so far; run
+        the new plan from this call on. The report keeps its graph id and measured correction;
+        the new plan's first step is measured again. ``why``: the reason, as the messages say it
+        ("for ...", "to ..."). Returns the new session, or ``None`` when the plan stays (a
+        failed replan warns: it must not stop training that runs).
+
+        Raises:
+            InfeasibleBudgetError: no plan reaches the budget with them and ``on_infeasible="error"``.
+        """
         from .pipeline import InfeasibleBudgetError
 
         old_report = self.report
-        step = self._session.step
-        cap = step.ledger.kept_cap(step.key)
         try:
-            compiled = self._recompile(self._margins, self._session.reuse)
+            compiled = self._recompile(self._margins, self._session.reuse, self._grad_bytes)
         except InfeasibleBudgetError as exc:
-            self._cap_tried = cap
-            raise InfeasibleBudgetError(
-                f"trinity graph {old_report.graph_id}: planned again to keep at most {cap} bytes of saved activations "
-                f"for a later graph pair of the step: {exc}"
-            ) from exc
+            raise InfeasibleBudgetError(f"trinity graph {old_report.graph_id}: planned again {why}: {exc}") from exc
         except Exception as exc:  # a failed replan must not stop training that runs
-            self._cap_tried = cap
             warnings.warn(
-                f"trinity graph {old_report.graph_id}: planning again to keep at most {cap} bytes of saved activations "
-                f"for a later graph pair failed ({type(exc).__name__}: {exc}); its plan stays",
-                stacklevel=3,
+                f"trinity graph {old_report.graph_id}: planning again {why} failed ({type(exc).__name__}: {exc}); "
+                "its plan stays",
+                stacklevel=4,
             )
-            return
+            return None
         session = session_of(compiled)
         if session is None or len(session.reports) != 1:
-            self._cap_tried = cap
-            return
+            return None
         recorded = session.reports[-1]
         final = dataclasses.replace(
             recorded,
@@ -989,15 +1063,8 @@ class CheckedCompile:
             reuse_measured=old_report.reuse_measured,
         )
         self._record_final(old_report, final, recorded, session)
-        holding = session.step_holding
-        if holding is not None and holding.kept_bytes > cap:
-            self._cap_tried = cap
-            warnings.warn(
-                f"trinity graph {old_report.graph_id}: planned again to keep at most {cap} bytes of saved activations "
-                f"for a later graph pair, it still keeps {holding.kept_bytes} bytes",
-                stacklevel=3,
-            )
         self._install(compiled, session)
+        return session
 
     def _record_final(self, old_report, final, recorded, session) -> None:
         """Put the replanned pair's report ``final`` (``recorded`` with the old graph id and the
@@ -1031,7 +1098,7 @@ class CheckedCompile:
             dict(m.op_workspace)
         )
         try:
-            compiled = self._recompile(margins, reuse)
+            compiled = self._recompile(margins, reuse, self._grad_bytes)
         except InfeasibleBudgetError as exc:
             self._state = "done"
             runs = (
