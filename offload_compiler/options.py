@@ -46,7 +46,7 @@ _UNITS = {
     "g": 2**30,
     "t": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _SIZE_HELP = (
     "an int number of bytes, or a string with a unit such as '800MB', '12GiB', '1.5GB' "
     "(units: B, KB, MB, GB, TB powers of 1000; KiB, MiB, GiB, TiB powers of 1024)"
@@ -90,6 +90,15 @@ def parse_size(key: str, value: Any) -> int:
     raise ValueError(f"trinity option {key!r}: got {value!r}; expected {_SIZE_HELP}")
 
 
+def _negative(value: Any) -> bool:
+    """Whether ``value`` is a negative number or a string of one (``-1``, ``"-5GiB"``)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return value < 0
+    return isinstance(value, str) and value.strip().startswith("-")
+
+
 def format_bytes(n: float | int | None) -> str:
     """Human-readable bytes with binary units, e.g. ``1.50 MiB``; ``None`` gives ``'no limit'``."""
     if n is None:
@@ -122,11 +131,13 @@ class MemoryBudget:
 
     @staticmethod
     def parse(value: Any, key: str = "memory_budget") -> MemoryBudget:
-        """Parse ``int`` bytes, ``"12GiB"``, ``"50%"``, ``"auto"`` or ``None``/``"none"``.
+        """Parse ``int`` bytes (or a float or string that is a whole number of bytes: ``1e9``,
+        ``"1e9"``), ``"12GiB"``, ``"2.5e3MB"``, ``"50%"``, ``"auto"`` or ``None`` /
+        ``"none"`` / ``"unlimited"`` / ``"inf"`` (no limit).
 
         Raises:
-            ValueError: naming the key and the value when it is none of the above, or when a
-                percentage is not in (0, 100].
+            ValueError: naming the key and the value when it is none of the above, when a
+                percentage is not in (0, 100], or when a byte count is negative.
         """
         if isinstance(value, MemoryBudget):
             return value
@@ -152,6 +163,11 @@ class MemoryBudget:
                         "(a fraction of the training step's peak without offloading)"
                     )
                 return MemoryBudget("fraction", fraction)
+        if _negative(value):
+            raise ValueError(
+                f"trinity option {key!r}: got {value!r}; a memory budget cannot be negative (bytes >= 0, a "
+                "percentage such as '50%', 'auto', or None for no limit)"
+            )
         try:
             return MemoryBudget("bytes", float(parse_size(key, value)))
         except (ValueError, OverflowError):

@@ -596,6 +596,17 @@ def _glue_values(argv: list[str]) -> list[str]:
     return out
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help unless the help already says its default, or there
+    is none to state (``None``, an empty list)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, [], argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--world" or a.startswith("--world=") for a in argv):
@@ -605,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m offload_compiler plan",
         description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelp,
     )
     parser.add_argument(
         "--model",
@@ -620,13 +631,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", default="a100-80gb", help="a device from the table: " + ", ".join(sorted(KNOWN_DEVICES))
     )
-    parser.add_argument("--device-memory", default=None, help="override the device's memory, e.g. 24GiB")
+    parser.add_argument(
+        "--device-memory", default=None, help="override the device's memory, e.g. 24GiB (default: the table's)"
+    )
     parser.add_argument(
         "--budgets",
         default="100%,90%,75%,60%,50%,40%,30%,25%,device",
         help="comma-separated sizes, percentages or 'device'",
     )
-    parser.add_argument("--min-offload-bytes", default="1MiB")
+    parser.add_argument(
+        "--min-offload-bytes", default="1MiB", help="saved activations smaller than this are never offloaded"
+    )
     parser.add_argument(
         "--offload",
         default="activations",

@@ -120,6 +120,10 @@ SIZES = [
     (".5MiB", 2**19),
     ("7B", 7),
     ("10kb", 10_000),
+    ("1e3", 1000),  # scientific notation, as the float 1e3 is accepted
+    ("1E9", 10**9),
+    ("2.5e3MB", 2_500_000_000),
+    (".5e1KiB", 5 * 1024),
 ]
 
 
@@ -155,7 +159,9 @@ def test_size_options_accept_every_size_form(text, expected):
         "5 M B",
         "",
         "  ",
-        "1e3",
+        "1.5e-1",
+        "5e",
+        "1eB",
         "abc",
         "12 parsecs",
         -1,
@@ -258,6 +264,14 @@ def test_bad_memory_budgets(bad):
     with pytest.raises(ValueError) as info:
         build({"memory_budget": bad})
     assert "'memory_budget'" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, "-1", "-5GiB", " -2e3 "])
+def test_negative_memory_budget_says_it_cannot_be_negative(bad):
+    with pytest.raises(ValueError) as info:
+        build({"memory_budget": bad})
+    msg = str(info.value)
+    assert "'memory_budget'" in msg and repr(bad) in msg and "cannot be negative" in msg and "None" in msg
 
 
 def test_memory_budget_describe():

@@ -295,3 +295,18 @@ def test_inductor_trace_of_a_model_with_dropout():
     traced = trace_training_step(Drop, 2, 16, 64, inner="inductor")
     targets = {str(n.target) for n in traced.pair.forward.graph.nodes if n.op == "call_function"}
     assert any("rand" in t or "seed" in t for t in targets), targets
+
+
+def test_help_states_each_default_once(capsys):
+    """``plan --help``: a flag whose help says its default gets no second "(default: ...)", and
+    none says "(default: None)"."""
+    import re
+
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert "(default: None)" not in text and "(default: [])" not in text
+    for block in re.split(r"\n(?=  -)", text):  # one flag's lines
+        assert len(re.findall(r"\(default", block)) <= 1, block
+    assert "--min-offload-bytes" in text and "(default: 1MiB)" in text
