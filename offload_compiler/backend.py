@@ -210,13 +210,15 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
     session.margins = margins
     session.reuse = reuse  # the runs per step the runtime check measured (step_budget.StepReuse)
     # The gradients the pair's parameters hold from an earlier backward (gradient accumulation):
-    # what the runtime check saw at a later call, or what is there now.
-    from .param_offload import real_parameters
-    from .step_budget import accumulated_grad_bytes
+    # what the runtime check saw at a later call, or what is there now. Not with an "auto"
+    # budget (the free memory, which they have already taken) or none.
+    if opts.memory_budget.kind in ("bytes", "fraction"):
+        from .param_offload import real_parameters
+        from .step_budget import accumulated_grad_bytes
 
-    session.accumulated_grad_bytes = max(
-        grad_bytes, accumulated_grad_bytes(real_parameters(example_inputs, gm).values(), device)
-    )
+        session.accumulated_grad_bytes = max(
+            grad_bytes, accumulated_grad_bytes(real_parameters(example_inputs, gm).values(), device)
+        )
     from .step_budget import join_step
 
     # The training step's ledger (step_budget.py); a replan of the runtime check keeps the pair's.

@@ -785,6 +785,7 @@ class CompileSession:
         # (gradient accumulation: DDP's no_sync(), zero_grad(set_to_none=False)): held through
         # the pair, counted like what the rest of the step holds. Seen at the compile, or at a
         # later call by the runtime check, which plans the pair again for them (step_check.py).
+        # Set by the backend; 0 with an "auto" budget (the free memory, which they have taken).
         self.accumulated_grad_bytes = 0
         # Read by the runtime check after the plan: the forward positions of the parameter
         # inputs (set by the backend), and per run the saved activations the plan keeps on the
@@ -806,8 +807,8 @@ class CompileSession:
         (``offload`` other than ``"activations"``), with their slots' host bytes, what the
         training step holds outside it (:mod:`.step_budget`; not with ``memory_budget="auto"``),
         the gradients its own parameters hold from an earlier backward
-        (:attr:`accumulated_grad_bytes`; not with ``"auto"`` either) and, once the runtime check measured the pair running N times per step
-        (:attr:`reuse`), the reuse count and what the earlier runs and other pairs' runs hold
+        (:attr:`accumulated_grad_bytes`) and, once the runtime check measured the pair running N
+        times per step (:attr:`reuse`), the reuse count and what the earlier runs and other pairs' runs hold
         besides their kept saved activations."""
         held = (0, 0, 0)
         cap = None
@@ -821,8 +822,7 @@ class CompileSession:
         reuse = self.reuse
         if reuse is not None:
             held = (held[0] + reuse.held_bytes, held[1] + reuse.held_unplanned_bytes, held[2])
-        if self.accumulated_grad_bytes and self.options.memory_budget.kind in ("bytes", "fraction"):
-            # (An "auto" budget is the free memory, which they have already taken.)
+        if self.accumulated_grad_bytes:
             g = self.accumulated_grad_bytes
             held = (held[0] + g, held[1] + g, held[2])
         self.step_held = held
@@ -1117,8 +1117,8 @@ class CompileSession:
                         f"and parameters, other graph pairs) holds {the_plan.model_state.held_bytes} bytes"
                     )
                 else:
-                    grads = the_plan.model_state.held_bytes and self.accumulated_grad_bytes
-                    others = self.step_held[0] - (grads or 0)
+                    grads = self.accumulated_grad_bytes
+                    others = self.step_held[0] - grads
                     grads_text = (
                         f"this pair's parameters hold {grads} bytes of gradients from an earlier backward (gradient "
                         "accumulation: no_sync(), zero_grad(set_to_none=False); zero_grad() between steps frees them)"
@@ -1239,9 +1239,7 @@ class CompileSession:
             recompute=plan_recompute.summary(joint.recompute),
             decisions=plan_recompute.decisions(joint),
             fits_without_plan=joint.recompute.fits_without_plan,
-            accumulated_grad_bytes=self.accumulated_grad_bytes
-            if opts.memory_budget.kind in ("bytes", "fraction")
-            else 0,
+            accumulated_grad_bytes=self.accumulated_grad_bytes,
         )
         if dumper:
             dumper.text("report.json", report.to_json())

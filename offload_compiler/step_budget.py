@@ -323,7 +323,7 @@ def accumulated_grad_bytes(params, device: torch.device | str) -> int:
         if g is None:
             continue
         g = _local(g)
-        if g.device.type != device.type or (device.index is not None and g.device.index not in (None, device.index)):
+        if g.device.type != device.type or (device.index is not None and g.device.index != device.index):
             continue
         try:
             storage = g.untyped_storage()
