@@ -596,9 +596,9 @@ def _glue_values(argv: list[str]) -> list[str]:
     return out
 
 
-class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" to a flag's help unless the help already says its default, or there
-    is none to state (``None``, an empty list)."""
+    is none to state (``None``, an empty list). The formatter of ``plan`` and ``plan --world``."""
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m offload_compiler plan",
         description=__doc__.split("\n")[0],
-        formatter_class=_DefaultsHelp,
+        formatter_class=DefaultsHelp,
     )
     parser.add_argument(
         "--model",

@@ -1220,11 +1220,13 @@ def layout_script(plan: WorldPlan, score: LayoutScore, command: str = "python -m
 
 
 def _args(argv):
+    from .plan_cli import DefaultsHelp
+
     p = argparse.ArgumentParser(
         prog="python -m offload_compiler plan --world N",
         description="Pick a data/tensor/pipeline-parallel layout (plus trinity's per-stage offload plan) for N GPUs "
         "by the cost model; print the best layouts, the frontier, and the code that builds the chosen one.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelp,
     )
     p.add_argument("--world", type=int, required=True, help="number of GPUs (processes)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes the GPUs are spread over (evenly)")
