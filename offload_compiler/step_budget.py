@@ -311,9 +311,10 @@ def accumulated_grad_bytes(params, device: torch.device | str) -> int:
         device: the pair's device; gradients elsewhere (host memory) do not count.
 
     Returns:
-        Bytes; each gradient storage once. A gradient that is a view into a larger buffer
-        (DDP's ``gradient_as_bucket_view=True``, whose buckets the ledger counts already) is not
-        counted, nor is a parameter without ``.grad``.
+        Bytes; each gradient storage once, whole: gradients that are views into one flat buffer
+        count that buffer once (under DDP with ``gradient_as_bucket_view=True`` that is DDP's
+        buckets, which the ledger counts too: counted twice, conservative). A parameter without
+        ``.grad`` counts 0.
     """
     device = torch.device(device)
     seen: set[int] = set()
@@ -330,8 +331,7 @@ def accumulated_grad_bytes(params, device: torch.device | str) -> int:
             ptr, size = storage.data_ptr(), storage.nbytes()
         except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
             continue
-        own = g.numel() * g.element_size()
-        if ptr in seen or size > own:
+        if ptr in seen:
             continue
         seen.add(ptr)
         total += size

@@ -583,6 +583,7 @@ class CheckedCompile:
         # accumulation) that its plan counts (bytes), and whether no call can show more (the plan
         # counts all of them, or they cannot be planned for and the warning was given).
         self._grad_bytes = session.accumulated_grad_bytes if session is not None else 0
+        self._grads_planned = self._grad_bytes  # (what the plan counted before a replan for more)
         self._grads_settled = session is None or session.options.memory_budget.kind not in ("bytes", "fraction")
         step = session.step if session is not None else None
         if step is not None and recompile is not None and mode == "replan":
@@ -981,15 +982,23 @@ class CheckedCompile:
                 stacklevel=3,
             )
             return False
-        self._grad_bytes = got
+        self._grads_planned, self._grad_bytes = self._grad_bytes, got
         return True
 
     def _replan_for_grads(self) -> None:
         """Plan the pair again with the gradients its parameters hold from an earlier backward
-        (:meth:`_grads_due`), at this call, before its forward runs."""
-        self._replan_again(
-            f"for the {self._grad_bytes} bytes of gradients its parameters hold from an earlier backward"
-        )
+        (:meth:`_grads_due`), at this call, before its forward runs. When no plan fits them
+        (``on_infeasible="error"``), the plan keeps counting what it counted before, so every
+        later call that finds them raises again."""
+        from .pipeline import InfeasibleBudgetError
+
+        try:
+            self._replan_again(
+                f"for the {self._grad_bytes} bytes of gradients its parameters hold from an earlier backward"
+            )
+        except InfeasibleBudgetError:
+            self._grad_bytes = self._grads_planned
+            raise
 
     def _cap_due(self) -> bool:
         """Whether a later pair of the step capped this pair's kept saved activations
