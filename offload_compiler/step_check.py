@@ -1053,7 +1053,8 @@ class CheckedCompile:
         try:
             compiled = self._recompile(self._margins, self._session.reuse, self._grad_bytes)
         except InfeasibleBudgetError as exc:
-            raise InfeasibleBudgetError(f"trinity graph {old_report.graph_id}: planned again {why}: {exc}") from exc
+            text = str(exc).removeprefix("trinity: ")
+            raise InfeasibleBudgetError(f"trinity graph {old_report.graph_id}: planned again {why}: {text}") from exc
         except Exception as exc:  # a failed replan must not stop training that runs
             warnings.warn(
                 f"trinity graph {old_report.graph_id}: planning again {why} failed ({type(exc).__name__}: {exc}); "

@@ -583,7 +583,17 @@ def test_an_infeasible_replan_for_gradients_is_refused_at_every_call_that_has_th
     )
     compiled(x).sum().backward()  # fits: no gradients yet
     for _ in range(2):
-        with pytest.raises(InfeasibleBudgetError, match="gradients its parameters hold from an earlier backward"):
+        with pytest.raises(InfeasibleBudgetError, match="gradients its parameters hold from an earlier backward") as e:
             compiled(x).sum().backward()
+        # One budget figure, the step's; one lowest peak, the step's (the held gradients in it and
+        # in its breakdown), the same one the message asks to pass back; "trinity:" once.
+        text = str(e.value)
+        assert text.count("trinity") == 1, text
+        assert "memory_budget 11.44 MiB (12000000 bytes) is below" in text, text
+        lowest = int(re.search(r"lowest peak any plan reaches, [\d.]+ \w+ \((\d+) bytes", text).group(1))
+        assert f"memory_budget={lowest} (bytes)" in text, text
+        held = nbytes(model.parameters())
+        assert re.search(r"gradients held from an earlier backward [\d.]+ MiB", text), text
+        assert lowest > 12_000_000 and lowest > held
     model.zero_grad(set_to_none=True)
     compiled(x).sum().backward()  # fits again

@@ -1156,9 +1156,10 @@ def decisions(joint: JointPlan) -> tuple[tuple[str, int, str], ...]:
     return tuple(out)
 
 
-def infeasible_note(rp: RecomputePlan) -> str:
+def infeasible_note(rp: RecomputePlan, held_bytes: int = 0) -> str:
     """What the joint planner adds to the error for a budget no plan reaches (empty for
-    ``strategy="offload"``)."""
+    ``strategy="offload"``). ``held_bytes``: what the rest of the training step holds while the
+    graph runs (bytes), added to the lowest peak so that it reads as the error's other figures."""
     if rp.strategy == "offload":
         return ""
     from ..options import format_bytes
@@ -1168,7 +1169,8 @@ def infeasible_note(rp: RecomputePlan) -> str:
         "recomputed in this plan"
     ]
     if rp.lowest_reachable_peak_bytes is not None:
-        parts.append(f", lowest peak estimated with recomputation {format_bytes(rp.lowest_reachable_peak_bytes)}")
+        lowest = rp.lowest_reachable_peak_bytes + held_bytes
+        parts.append(f", lowest peak estimated with recomputation {format_bytes(lowest)}")
     if rp.refused:
         name, why = rp.refused[0]
         parts.append(f"; {len(rp.refused)} saved buffers may not be recomputed (e.g. {name}: {why})")
