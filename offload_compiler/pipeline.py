@@ -1142,11 +1142,12 @@ class CompileSession:
                     f" peak without offloading ({step_unplanned} bytes so far), or memory_budget={lowest} (bytes)."
                 )
             described = act
+            # What the rest of the step holds while this pair runs (the earlier runs' kept bytes,
+            # the other pairs', the gradients held from an earlier backward).
+            outside_bytes = the_plan.predictions.lowest_reachable_peak_bytes - act.lowest_reachable_peak_bytes
             if in_step:
-                # The step's budget and the lowest step peak, what the rest of the step holds
-                # included (the earlier runs' kept bytes, the other pairs', the gradients held
-                # from an earlier backward): the planner's own budget is what they leave.
-                outside_bytes = the_plan.predictions.lowest_reachable_peak_bytes - act.lowest_reachable_peak_bytes
+                # The step's budget and the lowest step peak, those holdings included: the
+                # planner's own budget is what they leave.
                 grads = min(self.accumulated_grad_bytes, outside_bytes)
                 outside = (
                     ("gradients held from an earlier backward", grads),
@@ -1170,9 +1171,7 @@ class CompileSession:
                 unplanned_peak_bytes=the_plan.liveness.peak_bytes,
                 reach_override=reach,
             )
-            message += plan_recompute.infeasible_note(
-                joint.recompute, described.lowest_reachable_peak_bytes - act.lowest_reachable_peak_bytes
-            )
+            message += plan_recompute.infeasible_note(joint.recompute, outside_bytes if in_step else 0)
             if in_step and self.step is not None and any(k != self.step.key for k in self.step.ledger.keys()):
                 # This pair is not in the ledger yet: the summary lists the step's earlier pairs.
                 message += "\nThe step's pairs compiled before this one: " + self.step.ledger.report().summary()
