@@ -454,3 +454,37 @@ def test_kept_cap_is_met_by_every_strategy(mlp, strategy, use_solver):
     # Without a cap the pair fits without a plan.
     free = plan_recompute.plan_joint(mlp, live, costs, live.peak_bytes, strategy, 0, use_solver=use_solver)
     assert free.recompute.fits_without_plan and free.plan.evictions == ()
+
+
+@pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
+@pytest.mark.parametrize("strategy", ["recompute", "auto"])
+def test_an_infeasible_budget_gets_the_lowest_peak_choice_not_the_greedy_one(mlp, strategy):
+    """Below the lowest reachable peak the budget's program is infeasible; the lowest-peak
+    program's choice is scored, and no choice of recomputations has a lower peak (checked by
+    scoring every subset the program allows, recompute only)."""
+    import itertools
+
+    live, costs = analyze(mlp, SLOW_LINK)
+    chains = recompute_chains.analyze(mlp, live, costs).chains
+    budget = 1
+    joint = plan_recompute.plan_joint(mlp, live, costs, budget, strategy, 0)
+    rp = joint.recompute
+    assert not joint.plan.feasible
+    assert "recompute only: Infeasible" in rp.solver_status, rp.solver_status
+    assert "recompute only, lowest peak: Optimal" in rp.solver_status, rp.solver_status
+    assert not rp.fallback_used and rp.solver == "highs"
+    by_buf = {c.buffer: c for c in chains}
+    best = None
+    for k in range(len(chains) + 1):
+        for subset in itertools.combinations(sorted(by_buf), k):
+            trial = {b: by_buf[b] for b in subset}
+            if plan_recompute._double_moves(trial, plan_recompute._moves(trial)):
+                continue  # a move of a move: outside what the program allows
+            view, vcosts = plan_recompute.recompute_view(live, costs, by_buf, frozenset(subset))
+            p = plan_recompute.plan_offload(view, vcosts, budget, 0, only=frozenset())
+            best = p.step_peak_bytes if best is None else min(best, p.step_peak_bytes)
+    if strategy == "recompute":
+        assert joint.plan.peak_bytes_planned == best
+    else:  # offloading can only lower it further
+        assert joint.plan.peak_bytes_planned <= best
+    assert joint.plan.peak_bytes_planned < live.peak_bytes

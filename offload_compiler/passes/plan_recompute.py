@@ -97,6 +97,10 @@ SOLVER_TIME_LIMIT_S = 0.5
 SOLVER_HARD_LIMIT_S = 10.0
 """Seconds the solver may search for a first feasible solution before the greedy fallback."""
 MAX_EXACT_TRIES = 3
+_MIN_PEAK_TIME_WEIGHT = 1e-4
+"""Weight of the step's seconds against the peak in the lowest-peak program (both in model units:
+1e6 units span the unplanned peak, 1e4 the step's compute): a tie-break, so that of two plans
+with the same peak the faster one wins."""
 _PREFIX_FRACTIONS = (0.125, 0.25, 0.5, 1.0)
 
 
@@ -512,18 +516,26 @@ def _build_model(
     use_recompute,
     earlier_runs: int = 0,
     kept_cap: int | None = None,
+    min_peak: bool = False,
 ):
     """The MIP of the module docstring. Returns ``(model, offload var per buffer, recompute var
-    per buffer)``. ``kept_cap``: the row capping the kept boundary-crossing saved bytes."""
+    per buffer)``. ``kept_cap``: the row capping the kept boundary-crossing saved bytes.
+
+    ``min_peak``: the lowest-peak program, solved when the budget's is infeasible. ``budget`` is
+    then ignored: a peak variable ``P`` (bytes, in model units) bounds the live bytes of every
+    step, and the objective is ``P`` plus the step's seconds weighted by
+    :data:`_MIN_PEAK_TIME_WEIGHT` (of two plans with the same peak, the faster one)."""
     T = live.num_steps
     crossing = live.boundary_saved if earlier_runs else {}
     base = live.live_bytes() + earlier_runs * sum(crossing.values())
     ce = np.concatenate([[0.0], np.cumsum(np.asarray(costs.step_seconds, dtype=np.float64))])
     sb = max(1.0, float(base.max())) / 1e6  # bytes -> model units
     st = max(float(ce[-1]), 1e-12) / 1e4  # seconds -> model units
+    w = _MIN_PEAK_TIME_WEIGHT if min_peak else 1.0  # weight of the step's seconds in the objective
     m = _Model()
     xo = {c.buffer: m.var(0.0, 0.0, 1.0, True) for c in offs} if use_offload else {}
-    xr = {c.buffer: m.var(c.seconds / st, 0.0, 1.0, True) for c in chains} if use_recompute else {}
+    xr = {c.buffer: m.var(w * c.seconds / st, 0.0, 1.0, True) for c in chains} if use_recompute else {}
+    peak = m.var(1.0, -np.inf, np.inf) if min_peak else None
     for b in set(xo) & set(xr):
         m.row({xo[b]: 1.0, xr[b]: 1.0}, -np.inf, 1.0)
     if kept_cap is not None:
@@ -585,8 +597,11 @@ def _build_model(
     seg_max = np.maximum.reduceat(base, points)
     prev = None
     for pt, mx in zip(points, seg_max):
-        room = (budget - int(mx)) / sb
-        d = m.var(0.0, -np.inf, room)
+        if min_peak:  # d + mx <= P
+            d = m.var(0.0, -np.inf, np.inf)
+            m.row({d: 1.0, peak: -1.0}, -np.inf, -int(mx) / sb)
+        else:
+            d = m.var(0.0, -np.inf, (budget - int(mx)) / sb)
         coefs = {d: 1.0}
         if prev is not None:
             coefs[prev] = -1.0
@@ -616,7 +631,7 @@ def _build_model(
         """items: (var, copy seconds, release step position, wait position), in issue order."""
         if not items:
             return
-        e = m.var(1.0, 0.0, np.inf)
+        e = m.var(w, 0.0, np.inf)
         q_prev = m_prev = None
         for var, secs, rel, wait in items:
             q = m.var(0.0, 0.0, np.inf)
@@ -770,14 +785,28 @@ def choose(
                     )
                     status, sol = model.solve(left)
                     statuses.append(f"{name}: {status}")
+                    if sol is None and status == "Infeasible":
+                        # No choice meets the budget: the choice with the lowest peak instead
+                        # (what on_infeasible="warn" runs and the error quotes), not the greedy
+                        # fallback's, whose recompute transients can pile up to a higher peak.
+                        name = f"{name}, lowest peak"
+                        left = max(0.05, time_limit_s - (time.perf_counter() - t0))
+                        if with_offload is False and offload_ok:
+                            left = max(0.05, 0.25 * time_limit_s)
+                        model, xo, xr = _build_model(
+                            live, costs, offs, list(chains), budget, with_offload, True, earlier_runs, kept_cap,
+                            min_peak=True,
+                        )
+                        status, sol = model.solve(left)
+                        statuses.append(f"{name}: {status}")
                     if sol is None:
                         continue
                     chosen = frozenset(b for b, v in xr.items() if sol[v] > 0.5)
                     picked = frozenset(b for b, v in xo.items() if sol[v] > 0.5)
                     if with_offload:
-                        solved_joint = (chosen, picked)
+                        solved_joint = (name, chosen, picked)
                     else:
-                        solved_rc = chosen
+                        solved_rc = (name, chosen)
             except Exception as exc:  # a solver failure must not fail the compile: fall back
                 statuses.append(f"error: {type(exc).__name__}: {exc}")
             details["solver_status"] = "; ".join(statuses)
@@ -790,10 +819,16 @@ def choose(
         if solved_rc is None and solved_joint is None:
             details["fallback_used"] = details["solver"] != "none"
             details["solver"] = "greedy"
-        score("recompute only", solved_rc if solved_rc is not None else alone, frozenset())
+        if solved_rc is None:
+            score("recompute only", alone, frozenset())
+        elif solved_rc[0] == "recompute only":
+            score("recompute only", solved_rc[1], frozenset())
+        else:  # the lowest-peak program's choice, and the greedy one next to it
+            score(f"{solved_rc[0]} (solver)", solved_rc[1], frozenset())
+            score("recompute only", alone, frozenset())
         if solved_joint is not None:
-            score("solver", solved_joint[0], solved_joint[1])
-            score("solver, offload free", solved_joint[0], None)
+            score(solved_joint[0], solved_joint[1], solved_joint[2])
+            score(f"{solved_joint[0]}, offload free", solved_joint[1], None)
         if offload_ok:
             # Prefixes of the ranking with offloading free: all of them for the fallback, the
             # largest two next to the solver's choice.
