@@ -206,3 +206,25 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
         assert not r["feasible"] or r["over_budget_bytes"] <= 64 * 1024, r  # test_e2e's slack
     assert rows[0]["num_evicted"] == 0 and rows[1]["num_evicted"] > 0
     assert rows[1]["measured_peak_bytes"] < rows[0]["measured_peak_bytes"]
+
+
+def test_frontier_judges_an_infeasible_point_against_its_planned_lowest_peak():
+    from bench import frontier
+
+    rows = [
+        {"key": "trinity-auto-50%", "ok": True, "ratio": 1.05, "peak_bytes": 900, "budget_bytes": 1000,
+         "within_budget": True},  # fmt: skip
+        {"key": "trinity-auto-25%", "ok": True, "ratio": 1.3, "peak_bytes": 700, "budget_bytes": 500,
+         "infeasible": True, "planned_lowest_peak_bytes": 690,
+         "within_planned_lowest_peak": 700 <= 690 + frontier.PEAK_SLACK_BYTES},  # fmt: skip
+    ]
+    out = frontier.cpu_targets([{"model": "gpt", "rows": rows}])
+    targets = {(c["key"], c["target"]): c["met"] for c in out["checks"]}
+    assert targets == {
+        ("trinity-auto-50%", "measured peak within budget"): True,
+        ("trinity-auto-50%", "paired step ratio <= 1.1 at 50%"): True,
+        ("trinity-auto-25%", "infeasible budget: measured peak within the planned lowest peak"): True,
+    }
+    assert out["all_met"]
+    rows[1]["within_planned_lowest_peak"] = False
+    assert not frontier.cpu_targets([{"model": "gpt", "rows": rows}])["all_met"]
