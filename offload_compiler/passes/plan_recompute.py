@@ -23,7 +23,9 @@ the budget. It is made in three stages:
    limit (:data:`SOLVER_TIME_LIMIT_S`: then it stops at its first feasible solution) and a hard
    one (:data:`SOLVER_HARD_LIMIT_S`); without ``highspy``, or when it finds no solution in time, a
    greedy fallback ranks chains by recompute seconds per byte freed and tries prefixes of that
-   ranking. The plan says which was used.
+   ranking. The plan says which was used. When the program is infeasible (no choice meets the
+   budget), the same program with a peak variable in place of the budget (the lowest-peak
+   program, step seconds only a tie-break) gives the choice scored for the lowest peak.
 2. **Score.** Each candidate choice (the solver's, offload only, recompute only, the greedy
    prefixes) is scored by the working-window planner on a view of the liveness and costs with the
    recomputation applied (:func:`recompute_view`): the recomputed buffer is freed after its last
@@ -776,28 +778,27 @@ def choose(
                 # The recompute-only program (what strategy="recompute" solves, so that auto
                 # scores it too) is small and easy: a quarter of the time; the joint one the rest.
                 variants = [("recompute only", False)] + ([("solver", True)] if offload_ok else [])
-                for name, with_offload in variants:
-                    left = max(0.05, time_limit_s - (time.perf_counter() - t0))
+                def time_left(with_offload: bool) -> float:
                     if with_offload is False and offload_ok:
-                        left = max(0.05, 0.25 * time_limit_s)
+                        return max(0.05, 0.25 * time_limit_s)
+                    return max(0.05, time_limit_s - (time.perf_counter() - t0))
+
+                for name, with_offload in variants:
                     model, xo, xr = _build_model(
                         live, costs, offs, list(chains), budget, with_offload, True, earlier_runs, kept_cap
                     )
-                    status, sol = model.solve(left)
+                    status, sol = model.solve(time_left(with_offload))
                     statuses.append(f"{name}: {status}")
                     if sol is None and status == "Infeasible":
                         # No choice meets the budget: the choice with the lowest peak instead
                         # (what on_infeasible="warn" runs and the error quotes), not the greedy
                         # fallback's, whose recompute transients can pile up to a higher peak.
                         name = f"{name}, lowest peak"
-                        left = max(0.05, time_limit_s - (time.perf_counter() - t0))
-                        if with_offload is False and offload_ok:
-                            left = max(0.05, 0.25 * time_limit_s)
                         model, xo, xr = _build_model(
                             live, costs, offs, list(chains), budget, with_offload, True, earlier_runs, kept_cap,
                             min_peak=True,
                         )
-                        status, sol = model.solve(left)
+                        status, sol = model.solve(time_left(with_offload))
                         statuses.append(f"{name}: {status}")
                     if sol is None:
                         continue
