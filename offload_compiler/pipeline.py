@@ -594,6 +594,7 @@ def _insert_transfers(ctx: RewriteContext, plan: PairPlan) -> PairPlan | None:
         plan.activations,
         ctx.session.runtime.id,
         fence_readers=opts.inner == "inductor",
+        inductor_layouts=opts.inner == "inductor",
     )
     return plan
 

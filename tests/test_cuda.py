@@ -112,3 +112,24 @@ def test_calibrate_on_cuda():
     figures = calibrate("cuda", quick=True)
     assert all(figures[k] > 0 for k in CALIBRATION_FIELDS)
     assert figures["h2d_bytes_per_s"] > 1e9 and figures["flops_bf16"] > 1e12
+
+
+def test_evict_into_declared_strides_on_cuda():
+    """An evict whose declared strides differ from its source's (Inductor laid the source out
+    otherwise) stages the source on the device in the declared layout on the copy stream and
+    copies those bytes into a pinned block: the values arrive once ``evict_wait`` returns, the
+    host tensor has the declared strides, and a write to the source after the wait leaves the
+    host copy alone."""
+    from offload_compiler.runtime.transfer import TransferRuntime
+
+    ops = torch.ops.trinity
+    rt = TransferRuntime(torch.device("cuda"), 1 << 26)
+    src = torch.randn(8, 64, 32, 32, device="cuda")
+    expected = src.cpu()
+    declared = src.to(memory_format=torch.channels_last).stride()
+    host = ops.evict(src, rt.id, list(declared))
+    assert host.stride() == declared and host.is_pinned()
+    ops.evict_wait(host, src, rt.id)
+    torch.cuda.current_stream().synchronize()
+    src.fill_(0)
+    assert torch.equal(host, expected)

@@ -362,3 +362,66 @@ def test_channels_last_copies_under_inductor_measured_as_planned():
     assert r.measured_peak_bytes <= r.peak_bytes_planned + PEAK_SLACK_BYTES, (r.measured_peak_bytes, r.summary())
     m = sbs.check_memory(batch)
     assert m.peak_bytes <= r.peak_bytes_planned + PEAK_SLACK_BYTES, (m.peak_bytes, r.summary())
+
+
+class LlamaLoss(torch.nn.Module):
+    """The project's Llama (rotary embeddings applied after the heads are split and transposed,
+    grouped-query attention) at the CPU frontier's width, with the loss."""
+
+    def __init__(self):
+        super().__init__()
+        from offload_compiler.models import Llama, LlamaConfig
+
+        cfg = LlamaConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=352,
+                          max_seq_len=128)  # fmt: skip
+        self.llama = Llama(cfg)
+
+    def forward(self, idx, targets):
+        return torch.nn.functional.cross_entropy(self.llama(idx).flatten(0, 1), targets.flatten())
+
+
+def _llama_batch():
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randint(0, 256, (16, 128), generator=gen) for _ in range(2))
+
+
+@pytest.mark.parametrize("case", ["llama", "cnn_batchnorm"])
+def test_evicted_tensors_reach_the_backward_on_the_host_under_inductor(case):
+    """Every saved tensor the plan evicts reaches the backward as a host-pool block, and the
+    lowest-peak plan's measured peak is within the plan. Inductor makes each forward output have
+    the strides of its fake value (channels-last for a 4-D output near a convolution, with its
+    layout optimization), and lays out an evict's input as it likes: contiguous where the graph
+    has Llama's rotated query transposed, channels-last after a convolution. A host tensor in
+    its input's layout was then copied by a kernel of Inductor's into the required strides, a
+    device tensor of its size kept for the backward that the plan counted as host memory (the
+    Llama frontier point measured 2 MiB above its planned lowest peak), made while the copy into
+    the host block may still be running on a GPU. The evict now makes the host tensor in the
+    required strides."""
+    from offload_compiler.runtime.pool import live_pool_blocks
+
+    make, batch = {"llama": (LlamaLoss, _llama_batch), "cnn_batchnorm": CASES["cnn_batchnorm"]}[case]
+    batch = batch()
+    sbs = SideBySide(make, "inductor", budget=1, on_infeasible="warn", strategy="offload")
+    with pytest.warns(UserWarning):
+        sbs.step(batch)
+    (r,) = sbs.reports()
+    assert not r.feasible and r.num_evicted > 0, r.summary()
+    sbs.model.zero_grad(set_to_none=True)
+    resident = list(sbs.model.parameters()) + list(sbs.model.buffers()) + list(batch)
+    m = measure_peak_device_bytes(lambda: sbs.trinity_step(batch), resident=resident, device="cpu")
+    assert m.peak_bytes <= r.peak_bytes_planned + PEAK_SLACK_BYTES, (m.peak_bytes, r.summary())
+    loss = sbs.compiled(*batch)
+    on_host = {ptr for ptr, _ in live_pool_blocks()} | {t.untyped_storage().data_ptr() for t in resident}
+    # Inductor's channels-last copies of the image and the weights are saved too (the plan
+    # counts them as layout copies, not as kept activations): same shapes as inputs.
+    input_shapes = {tuple(t.shape) for t in resident if t.dim() == 4}
+    saved_on_device = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in loss.grad_fn.saved_tensors
+        if isinstance(t, torch.Tensor)
+        and t.untyped_storage().data_ptr() not in on_host
+        and tuple(t.shape) not in input_shapes
+    }
+    kept = sum(nbytes for _, nbytes, decision in r.decisions if decision == "keep")
+    assert sum(saved_on_device.values()) <= kept, (sorted(saved_on_device.values()), r.decisions)
+    loss.backward()

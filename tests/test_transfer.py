@@ -248,3 +248,30 @@ def test_waits_and_fences_survive_dead_code_elimination():
     targets = [n.target for n in g.nodes if n.op == "call_function"]
     for op in (ops.evict_wait.default, ops.prefetch_wait.default, ops.fence.default):
         assert op in targets
+
+
+@pytest.mark.parametrize("faults", [None, 7], ids=["plain", "fault_injection"])
+def test_evict_into_declared_strides(faults):
+    """``evict(src, rt, stride)`` makes the host tensor in ``stride`` whatever ``src``'s layout
+    (the strides the graph declares, where Inductor laid ``src`` out otherwise): the values
+    survive the round trip, the host block is the pool's, and under fault injection the copy
+    still waits for ``evict_wait`` (the host block is poisoned until then)."""
+    from offload_compiler.runtime.transfer import FaultInjection
+
+    rt = TransferRuntime(CPU, 1 << 24, FaultInjection(seed=faults, early_probability=0.0) if faults else None)
+    src = torch.randn(2, 5, 3, 4)  # contiguous; declared channels-last
+    expected = src.clone()
+    declared = torch.empty(2, 5, 3, 4).to(memory_format=torch.channels_last).stride()
+    host = ops.evict(src, rt.id, list(declared))
+    assert host.stride() == declared and host.shape == src.shape
+    assert rt.pool.owns(host)
+    if faults:
+        assert torch.isnan(host).all()  # 0xFF bytes: the deferred copy has not run
+    ops.evict_wait(host, src, rt.id)
+    assert torch.equal(host, expected)
+    dev = ops.prefetch(host, CPU, rt.id)
+    ops.prefetch_wait(dev, rt.id)
+    assert dev.stride() == declared and torch.equal(dev, expected)
+    with FakeTensorMode():
+        fake = ops.evict(torch.empty(2, 5, 3, 4), rt.id, list(declared))
+    assert fake.stride() == declared

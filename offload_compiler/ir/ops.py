@@ -8,8 +8,13 @@ handles here, by op target, never by node name.
 Transfer ops (``rt`` is the id of the owning
 :class:`~offload_compiler.runtime.transfer.TransferRuntime`):
 
-* ``trinity::evict(Tensor src, int rt) -> Tensor``: start the device-to-host copy of ``src``;
-  returns the host tensor (same size, stride, dtype; pooled, pinned on CUDA).
+* ``trinity::evict(Tensor src, int rt, SymInt[]? stride=None) -> Tensor``: start the
+  device-to-host copy of ``src``; returns the host tensor (same size and dtype, pooled, pinned on
+  CUDA), laid out with ``stride`` (default: ``src``'s). The rewrite passes the strides ``src`` has
+  in the graph: Inductor may lay ``src`` out otherwise (contiguous where the graph has a
+  transposed pointwise result, channels-last after a convolution), and the host tensor must still
+  have the strides the graph declares, or Inductor copies it into them with a kernel of its own
+  that reads the host block before the copy into it is done.
 * ``trinity::evict_wait(Tensor(a!) host, Tensor src, int rt, Tensor(b!)? after=None) -> ()``: the
   compute stream waits for that copy. ``src`` is an argument so that it stays alive up to here
   (keep-alive through the IR, no ``record_stream``); ``host`` is marked as written so that every
@@ -113,7 +118,7 @@ __all__ = [
 
 #: ``name -> schema`` of every ``trinity::`` op (the namespace ``trinity``).
 SCHEMAS = {
-    "evict": "evict(Tensor src, int rt) -> Tensor",
+    "evict": "evict(Tensor src, int rt, SymInt[]? stride=None) -> Tensor",
     "evict_wait": "evict_wait(Tensor(a!) host, Tensor src, int rt, Tensor(b!)? after=None) -> ()",
     "prefetch": "prefetch(Tensor host, Device device, int rt, Tensor? after=None) -> Tensor",
     "prefetch_wait": "prefetch_wait(Tensor(a!) dev, int rt, Tensor? after=None) -> ()",
@@ -141,8 +146,8 @@ def _returns_nothing(*args, **kwargs) -> None:
 
 
 @torch.library.register_fake("trinity::evict", lib=_lib)
-def _evict_fake(src: torch.Tensor, rt: int) -> torch.Tensor:
-    return torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device="cpu")
+def _evict_fake(src: torch.Tensor, rt: int, stride: list[int] | None = None) -> torch.Tensor:
+    return torch.empty_strided(src.size(), src.stride() if stride is None else stride, dtype=src.dtype, device="cpu")
 
 
 @torch.library.register_fake("trinity::prefetch", lib=_lib)

@@ -18,12 +18,15 @@ Inserted nodes at one gap come issues first, then waits (the simulator's convent
 
 Reads ``node.meta["val"]``. Writes ``node.meta["val"]`` (fake tensors for inserted nodes; the host
 placeholder's value becomes a CPU tensor of the same layout), ``node.meta["tensor_meta"]`` (kept
-consistent) and ``node.meta["trinity"]`` (a short description shown in dumps).
+consistent) and ``node.meta["trinity"]`` (a short description shown in dumps). Each evict is given
+its source's strides in the graph (:func:`_declared_stride`).
 """
 
 from __future__ import annotations
 
+import logging
 import operator
+from types import SimpleNamespace
 
 import torch
 import torch.fx as fx
@@ -38,6 +41,8 @@ from ..options import format_bytes
 from .liveness import Buffer, Liveness, fused_chain_end
 from .plan_window import Plan
 
+log = logging.getLogger(__name__)
+
 __all__ = ["apply"]
 
 
@@ -47,6 +52,15 @@ def _set_val(node: fx.Node, val) -> None:
         node.meta["tensor_meta"] = _extract_tensor_metadata(val)
     else:
         node.meta.pop("tensor_meta", None)
+
+
+def _declared_stride(val) -> list[int] | None:
+    """The strides an evict's host tensor is given: its source's strides in the graph, passed as
+    the op's ``stride`` argument (see ``trinity::evict`` in :mod:`offload_compiler.ir.ops`), so
+    that it keeps them whatever layout Inductor gives the source. ``None`` (the source's own
+    strides at run time) where a stride is symbolic: FX would need ``sym_stride`` nodes for it."""
+    stride = val.stride()
+    return [int(s) for s in stride] if all(isinstance(s, int) for s in stride) else None
 
 
 def _fake_args(a):
@@ -257,7 +271,12 @@ def _insert_fences(fw_graph: fx.Graph, liveness: Liveness, plan: Plan, host_of: 
 
 
 def apply(
-    pair: GraphPair, liveness: Liveness, plan: Plan, runtime_id: int, fence_readers: bool = False
+    pair: GraphPair,
+    liveness: Liveness,
+    plan: Plan,
+    runtime_id: int,
+    fence_readers: bool = False,
+    inductor_layouts: bool = False,
 ) -> dict[str, int]:
     """Insert the transfer nodes of ``plan`` into ``pair`` (in place) and recompile both graphs.
 
@@ -269,6 +288,8 @@ def apply(
             will use.
         fence_readers: insert ``trinity::fence`` after the forward readers of evicted buffers
             (for Inductor, which may otherwise inline them past the wait).
+        inductor_layouts: the inner compiler is Inductor: host tensors get the layout Inductor
+            gives the forward's outputs (see :func:`_inductor_output_strides`).
 
     Returns:
         Counts of inserted nodes by op (``{"evict": n, ...}``).
@@ -287,11 +308,51 @@ def apply(
     host_of = _insert_evictions(pair, liveness, plan, fw_nodes, fw_after, runtime_id, fake_mode, counts)
     if fence_readers:
         counts["fence"] = _insert_fences(pair.forward.graph, liveness, plan, host_of)
-    _insert_prefetches(pair, liveness, plan, len(fw_nodes), bw_nodes, bw_before, runtime_id, fake_mode, counts)
+    if inductor_layouts:
+        _inductor_output_strides(pair.forward, host_of.values(), fake_mode)
+    _insert_prefetches(
+        pair, liveness, plan, len(fw_nodes), bw_nodes, bw_before, runtime_id, fake_mode, counts, host_of
+    )
     for gm in (pair.forward, pair.backward):
         gm.graph.lint()
         gm.recompile()
     return counts
+
+
+def _inductor_output_strides(gm: fx.GraphModule, hosts, fake_mode) -> None:
+    """Give each evict's host tensor the strides Inductor requires of that forward output.
+
+    Inductor makes every output of the graph it compiles have the strides of its fake value,
+    except that with its layout optimization (channels-last convolutions,
+    ``GraphLowering.decide_layout_opt``) a dense 4-D output among the nodes that prefer
+    channels-last (``GraphLowering.find_nodes_prefer_channels_last``, asked here of Inductor
+    itself on this graph) must be channels-last (``GraphLowering.run_node`` in
+    ``torch/_inductor/graph.py``). Where the host tensor is laid out otherwise, Inductor adds a
+    kernel copying it into the required strides: a second tensor of its size saved for the
+    backward, made while the copy into the host block may still run. So an evict with such an
+    output is given channels-last strides (``stride`` argument and fake value).
+
+    Reads and writes the evicts' ``args`` and ``meta["val"]``."""
+    from torch._prims_common import make_channels_last_strides_for
+
+    from .liveness import _channels_last_copied, inductor_layout_opt
+
+    if not inductor_layout_opt(gm):
+        return
+    try:
+        from torch._inductor.graph import GraphLowering
+
+        prefer = GraphLowering.find_nodes_prefer_channels_last(SimpleNamespace(module=gm))
+    except (ImportError, AttributeError, TypeError) as exc:  # another torch: keep the graph's strides
+        log.warning("insert_transfers: no channels-last output layouts for Inductor (%s)", exc)
+        return
+    for host in hosts:
+        val = host.meta["val"]
+        if host in prefer and _channels_last_copied(val):
+            stride = [int(x) for x in make_channels_last_strides_for(val.shape)]
+            host.args = (host.args[0], host.args[1], stride)
+            with fake_mode:
+                _set_val(host, EVICT(*_fake_args(host.args)))
 
 
 def _gaps(plan: Plan) -> tuple[dict[int, list], dict[int, list]]:
@@ -360,9 +421,9 @@ def _insert_evictions(
                     cover.meta[NOTE_KEY] = note
                     cursor = src = cover
                 with fw_graph.inserting_after(cursor):
-                    host = fw_graph.call_function(EVICT, (src, runtime_id))
+                    host = fw_graph.call_function(EVICT, (src, runtime_id, _declared_stride(src.meta["val"])))
                 with fake_mode:
-                    _set_val(host, EVICT(src.meta["val"], runtime_id))
+                    _set_val(host, EVICT(*_fake_args(host.args)))
                 host.meta[NOTE_KEY] = f"evict {format_bytes(g.copy_bytes)} of buffer {ev.buffer} to host"
                 host_of[id(g)] = host
                 src_of[id(g)] = src
@@ -401,9 +462,10 @@ def _insert_prefetches(
     runtime_id: int,
     fake_mode,
     counts: dict[str, int],
+    host_of: dict[int, fx.Node],
 ) -> None:
     """The backward's ``prefetch`` and ``prefetch_wait`` nodes: the saved placeholders become
-    host tensors, their readers read the prefetched tensor (or, for a span, the views rebuilt from
+    host tensors (in the layout of the forward's host tensor, ``host_of``), their readers read the prefetched tensor (or, for a span, the views rebuilt from
     it after the wait).
 
     Raises:
@@ -428,7 +490,8 @@ def _insert_prefetches(
                     if g.layout == "span":
                         host_val = torch.empty((g.span_numel,), dtype=old.dtype, device="cpu")
                     else:
-                        host_val = torch.empty_strided(old.size(), old.stride(), dtype=old.dtype, device="cpu")
+                        stride = host_of[id(g)].meta["val"].stride()
+                        host_val = torch.empty_strided(old.size(), stride, dtype=old.dtype, device="cpu")
                 _set_val(ph, host_val)
                 ph.meta[NOTE_KEY] = "host copy of a saved activation"
                 after = bw_edges.before(anchor.prev, step)

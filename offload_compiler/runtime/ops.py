@@ -17,8 +17,8 @@ from .transfer import get_runtime
 __all__: list[str] = []
 
 
-def _evict(src: torch.Tensor, rt: int) -> torch.Tensor:
-    return get_runtime(rt).evict(src)
+def _evict(src: torch.Tensor, rt: int, stride: list[int] | None = None) -> torch.Tensor:
+    return get_runtime(rt).evict(src, None if stride is None else tuple(stride))
 
 
 def _evict_wait(host: torch.Tensor, src: torch.Tensor, rt: int, after: torch.Tensor | None = None) -> None:

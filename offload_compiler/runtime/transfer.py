@@ -91,13 +91,16 @@ class _Deferred:
     ``synchronize()`` (a host-side wait, as on a CUDA event) runs it. Thread-safe: the CPU
     optimizer's worker may complete a parameter copy while the graph's thread waits for it."""
 
-    __slots__ = ("src", "src_offset", "dst", "dst_offset", "nbytes", "done", "lock")
+    __slots__ = ("src", "src_offset", "dst", "dst_offset", "nbytes", "layouts", "done", "lock")
 
-    def __init__(self, src: torch.Tensor, dst: torch.Tensor, nbytes: int):
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, nbytes: int, elementwise: bool = False):
         self.src = weakref.ref(src.untyped_storage())
         self.src_offset = src.storage_offset() * src.element_size()
         self.dst = weakref.ref(dst.untyped_storage())
         self.dst_offset = dst.storage_offset() * dst.element_size()
+        # An element-wise copy between two layouts (an evict into strides other than the
+        # source's): (dtype, size, source strides, destination strides); else a byte copy.
+        self.layouts = (src.dtype, tuple(src.shape), tuple(src.stride()), tuple(dst.stride())) if elementwise else None
         self.nbytes = nbytes
         self.done = False
         self.lock = threading.Lock()
@@ -124,9 +127,21 @@ class _Deferred:
             if src is None or dst is None:
                 return
             end = self.nbytes
-            if src.nbytes() < self.src_offset + end or dst.nbytes() < self.dst_offset + end:
+            src_end = end
+            if self.layouts is not None:
+                dtype, size, src_stride, _ = self.layouts
+                src_end = span_bytes(size, src_stride, torch.empty(0, dtype=dtype).element_size())
+            if src.nbytes() < self.src_offset + src_end or dst.nbytes() < self.dst_offset + end:
                 # A storage resized to 0 since (a parameter released before the wait of its
                 # fetch): a real copy would have read or written freed memory; nothing is copied.
+                return
+            if self.layouts is not None:
+                dtype, size, src_stride, dst_stride = self.layouts
+                item = torch.empty(0, dtype=dtype).element_size()
+                view = lambda storage, offset, stride: torch.empty(0, dtype=dtype).set_(  # noqa: E731
+                    storage, offset // item, size, stride
+                )
+                view(dst, self.dst_offset, dst_stride).copy_(view(src, self.src_offset, src_stride))
                 return
             flat = lambda storage, offset: torch.empty(0, dtype=torch.uint8).set_(storage, offset, (end,), (1,))  # noqa: E731
             flat(dst, self.dst_offset).copy_(flat(src, self.src_offset))
@@ -180,20 +195,40 @@ class TransferRuntime:
             _registry[self.id] = self
 
     # ------------------------------------------------------------------ the four operations
-    def evict(self, src: torch.Tensor) -> torch.Tensor:
-        """Start the D2H copy of ``src`` into a pooled host tensor of the same layout; return it.
+    def evict(self, src: torch.Tensor, stride: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Start the D2H copy of ``src`` into a pooled host tensor; return it.
+
+        The host tensor has ``src``'s size and dtype and the strides ``stride`` (default ``src``'s
+        own). With ``src``'s strides the copy moves the bytes ``src`` spans; with others it copies
+        element by element (``Tensor.copy_``; on CUDA through a device tensor in the host
+        tensor's layout, made on the copy stream and held to the wait: device memory the plan
+        does not count), so the host tensor is in the layout the graph declares whichever layout
+        the inner compiler gave ``src``.
 
         ``src`` must stay alive until :meth:`evict_wait` (the graph passes it there)."""
         self.purge()
-        host = self.pool.empty_strided(tuple(src.shape), tuple(src.stride()), src.dtype)
-        nbytes = span_bytes(tuple(src.shape), tuple(src.stride()), src.element_size())
+        stride = tuple(src.stride()) if stride is None else tuple(int(s) for s in stride)
+        host = self.pool.empty_strided(tuple(src.shape), stride, src.dtype)
+        nbytes = span_bytes(tuple(src.shape), stride, src.element_size())
+        same_layout = stride == tuple(src.stride())
         if self.faults is not None:
             flat_bytes(host).fill_(0xFF)
             if nbytes:
-                self._defer(host, src, host, nbytes)
+                self._defer(host, src, host, nbytes, elementwise=not same_layout)
         elif nbytes:
+            staged = src
             with self.streams.start_on(self.streams.d2h):
-                flat_bytes(host).copy_(flat_bytes(src), non_blocking=self.streams.enabled)
+                if not same_layout and self.streams.enabled:
+                    # A D2H copy between layouts is not a memcpy (torch would stage it through
+                    # pageable memory, synchronously): re-lay the source out on the device, on
+                    # the copy stream, and copy those bytes. The staging tensor lives until the
+                    # wait, as the source does.
+                    staged = torch.empty_strided(tuple(src.shape), stride, dtype=src.dtype, device=src.device)
+                    staged.copy_(src)
+                if same_layout or self.streams.enabled:
+                    flat_bytes(host).copy_(flat_bytes(staged), non_blocking=self.streams.enabled)
+                else:
+                    host.copy_(src)
             event = self.streams.record(self.streams.d2h)
             if event is not None:
                 # The copy writes the host block: no reuse before it is done, even if an
@@ -201,7 +236,7 @@ class TransferRuntime:
                 self.pool.mark_busy(host, event)
                 with self._lock:
                     self._pending[host.untyped_storage().data_ptr()] = _Pending(
-                        event, (src.untyped_storage(), host.untyped_storage())
+                        event, (src.untyped_storage(), staged.untyped_storage(), host.untyped_storage())
                     )
         with self._lock:
             self._evicts += 1
@@ -374,13 +409,17 @@ class TransferRuntime:
                 self._staged = keep + self._staged
 
     # ------------------------------------------------------------------ fault injection
-    def _defer(self, key_tensor: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> None:
+    def _defer(
+        self, key_tensor: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, nbytes: int, elementwise: bool = False
+    ) -> None:
         # A host block a deferred copy reads or writes is not handed out again before it runs.
         host = dst if self.pool.owns(dst) else src
-        self._defer_keyed(key_tensor.untyped_storage().data_ptr(), src, dst, nbytes, host)
+        self._defer_keyed(key_tensor.untyped_storage().data_ptr(), src, dst, nbytes, host, elementwise)
 
-    def _defer_keyed(self, key, src: torch.Tensor, dst: torch.Tensor, nbytes: int, host_block) -> _Deferred:
-        deferred = _Deferred(src, dst, nbytes)
+    def _defer_keyed(
+        self, key, src: torch.Tensor, dst: torch.Tensor, nbytes: int, host_block, elementwise: bool = False
+    ) -> _Deferred:
+        deferred = _Deferred(src, dst, nbytes, elementwise)
         if host_block is not None:
             self.pool.mark_busy(host_block, deferred)
         with self._lock:
