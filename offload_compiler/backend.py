@@ -131,7 +131,6 @@ def _with_runtime_check(compiled, gm, example_inputs, options, mode):
     budget (``runtime_check``; see ``step_check.py``, which says why a replan compiles
     Dynamo's graph again). Keeps ``gm``, fake copies of ``example_inputs`` and the tracing context
     for that; returns ``compiled`` itself where there is nothing to check."""
-    from .param_offload import real_parameters
     from .step_check import CheckedCompile, session_of
 
     session = session_of(compiled)
@@ -139,9 +138,6 @@ def _with_runtime_check(compiled, gm, example_inputs, options, mode):
         return compiled
     if session.options.fault_injection is not None:
         return compiled  # a test mode for ordering bugs: deferred copies keep memory alive on purpose
-    # Where each run's parameters are among the call's arguments (the check sees what other
-    # runs of the pair, a reused block graph's, keep allocated).
-    session.param_positions = tuple(sorted(real_parameters(example_inputs, gm)))
     recompile = None
     if not session.param_slots:
         ctx = torch._guards.TracingContext.try_get()
@@ -209,16 +205,19 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
     session = CompileSession(opts, device, runtime)
     session.margins = margins
     session.reuse = reuse  # the runs per step the runtime check measured (step_budget.StepReuse)
+    from .param_offload import real_parameters
+
+    params = real_parameters(example_inputs, gm)
+    # Where each run's parameters are among the call's arguments (the runtime check sees what
+    # other runs of the pair, a reused block graph's, keep allocated).
+    session.param_positions = tuple(sorted(params))
     # The gradients the pair's parameters hold from an earlier backward (gradient accumulation):
     # what the runtime check saw at a later call, or what is there now. Not with an "auto"
     # budget (the free memory, which they have already taken) or none.
     if opts.memory_budget.kind in ("bytes", "fraction"):
-        from .param_offload import real_parameters
         from .step_budget import accumulated_grad_bytes
 
-        session.accumulated_grad_bytes = max(
-            grad_bytes, accumulated_grad_bytes(real_parameters(example_inputs, gm).values(), device)
-        )
+        session.accumulated_grad_bytes = max(grad_bytes, accumulated_grad_bytes(params.values(), device))
     from .step_budget import join_step
 
     # The training step's ledger (step_budget.py); a replan of the runtime check keeps the pair's.
