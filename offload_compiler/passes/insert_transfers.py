@@ -19,7 +19,8 @@ Inserted nodes at one gap come issues first, then waits (the simulator's convent
 Reads ``node.meta["val"]``. Writes ``node.meta["val"]`` (fake tensors for inserted nodes; the host
 placeholder's value becomes a CPU tensor of the same layout), ``node.meta["tensor_meta"]`` (kept
 consistent) and ``node.meta["trinity"]`` (a short description shown in dumps). Each evict is given
-its source's strides in the graph (:func:`_declared_stride`).
+the strides its host tensor must have: its source's in the graph (:func:`_declared_stride`), or
+for Inductor the ones Inductor requires of that forward output (:func:`_inductor_output_strides`).
 """
 
 from __future__ import annotations
@@ -310,9 +311,7 @@ def apply(
         counts["fence"] = _insert_fences(pair.forward.graph, liveness, plan, host_of)
     if inductor_layouts:
         _inductor_output_strides(pair.forward, host_of.values(), fake_mode)
-    _insert_prefetches(
-        pair, liveness, plan, len(fw_nodes), bw_nodes, bw_before, runtime_id, fake_mode, counts, host_of
-    )
+    _insert_prefetches(pair, liveness, plan, len(fw_nodes), bw_nodes, bw_before, runtime_id, fake_mode, counts, host_of)
     for gm in (pair.forward, pair.backward):
         gm.graph.lint()
         gm.recompile()
@@ -348,7 +347,8 @@ def _inductor_output_strides(gm: fx.GraphModule, hosts, fake_mode) -> None:
         return
     for host in hosts:
         val = host.meta["val"]
-        if host in prefer and _channels_last_copied(val):
+        static = all(isinstance(d, int) for d in val.shape)  # a symbolic shape keeps the graph's strides
+        if host in prefer and static and _channels_last_copied(val):
             stride = [int(x) for x in make_channels_last_strides_for(val.shape)]
             host.args = (host.args[0], host.args[1], stride)
             with fake_mode:
