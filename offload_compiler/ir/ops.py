@@ -10,11 +10,12 @@ Transfer ops (``rt`` is the id of the owning
 
 * ``trinity::evict(Tensor src, int rt, SymInt[]? stride=None) -> Tensor``: start the
   device-to-host copy of ``src``; returns the host tensor (same size and dtype, pooled, pinned on
-  CUDA), laid out with ``stride`` (default: ``src``'s). The rewrite passes the strides ``src`` has
-  in the graph: Inductor may lay ``src`` out otherwise (contiguous where the graph has a
-  transposed pointwise result, channels-last after a convolution), and the host tensor must still
-  have the strides the graph declares, or Inductor copies it into them with a kernel of its own
-  that reads the host block before the copy into it is done.
+  CUDA), laid out with ``stride`` (default: ``src``'s). The rewrite passes the strides the forward
+  must return it in (``passes/insert_transfers.py``: ``src``'s in the graph, or channels-last
+  where Inductor's layout optimization requires it): Inductor may lay ``src`` out otherwise
+  (contiguous where the graph has a transposed pointwise result), and a host tensor in other
+  strides than required is copied into them by a kernel of Inductor's own, which reads the host
+  block before the copy into it is done.
 * ``trinity::evict_wait(Tensor(a!) host, Tensor src, int rt, Tensor(b!)? after=None) -> ()``: the
   compute stream waits for that copy. ``src`` is an argument so that it stays alive up to here
   (keep-alive through the IR, no ``record_stream``); ``host`` is marked as written so that every

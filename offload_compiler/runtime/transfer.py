@@ -85,13 +85,13 @@ class _Pending:
 
 
 class _Deferred:
-    """Fault injection: a copy that has not happened yet. It holds its source and destination
-    weakly: a source freed before the copy runs leaves the destination poisoned, as a real copy
+    """Fault injection: a copy that has not happened yet (of bytes, or element by element between
+    two layouts). It holds its source and destination weakly: a source freed before the copy runs leaves the destination poisoned, as a real copy
     from freed memory would leave it wrong. ``query()`` makes it usable as a pool block's event;
     ``synchronize()`` (a host-side wait, as on a CUDA event) runs it. Thread-safe: the CPU
     optimizer's worker may complete a parameter copy while the graph's thread waits for it."""
 
-    __slots__ = ("src", "src_offset", "dst", "dst_offset", "nbytes", "layouts", "done", "lock")
+    __slots__ = ("src", "src_offset", "src_nbytes", "dst", "dst_offset", "nbytes", "layouts", "done", "lock")
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, nbytes: int, elementwise: bool = False):
         self.src = weakref.ref(src.untyped_storage())
@@ -101,7 +101,8 @@ class _Deferred:
         # An element-wise copy between two layouts (an evict into strides other than the
         # source's): (dtype, size, source strides, destination strides); else a byte copy.
         self.layouts = (src.dtype, tuple(src.shape), tuple(src.stride()), tuple(dst.stride())) if elementwise else None
-        self.nbytes = nbytes
+        self.nbytes = nbytes  # the destination's span; the source's, for a byte copy
+        self.src_nbytes = span_bytes(tuple(src.shape), tuple(src.stride()), src.element_size()) if elementwise else nbytes
         self.done = False
         self.lock = threading.Lock()
 
@@ -127,19 +128,14 @@ class _Deferred:
             if src is None or dst is None:
                 return
             end = self.nbytes
-            src_end = end
-            if self.layouts is not None:
-                dtype, size, src_stride, _ = self.layouts
-                src_end = span_bytes(size, src_stride, torch.empty(0, dtype=dtype).element_size())
-            if src.nbytes() < self.src_offset + src_end or dst.nbytes() < self.dst_offset + end:
+            if src.nbytes() < self.src_offset + self.src_nbytes or dst.nbytes() < self.dst_offset + end:
                 # A storage resized to 0 since (a parameter released before the wait of its
                 # fetch): a real copy would have read or written freed memory; nothing is copied.
                 return
             if self.layouts is not None:
                 dtype, size, src_stride, dst_stride = self.layouts
-                item = torch.empty(0, dtype=dtype).element_size()
                 view = lambda storage, offset, stride: torch.empty(0, dtype=dtype).set_(  # noqa: E731
-                    storage, offset // item, size, stride
+                    storage, offset // dtype.itemsize, size, stride
                 )
                 view(dst, self.dst_offset, dst_stride).copy_(view(src, self.src_offset, src_stride))
                 return
