@@ -199,6 +199,30 @@ def test_matmul_output_is_offloaded_not_recomputed_when_its_copy_hides(mlp):
     assert joint.plan.predicted_step_seconds == pytest.approx(costs.compute_seconds, rel=1e-9)
 
 
+def test_synchronous_copies_are_charged_in_full_so_recompute_wins(mlp):
+    """Where the device is the host CPU, copies are memcpys on the compute cores: the same
+    offload that hides on an asynchronous link costs its whole copy time, and ``auto`` then
+    recomputes instead (the CPU frontier measures the same)."""
+    figures = dict(flops_fp32=1e8, hbm_bytes_per_s=1e9, h2d_bytes_per_s=1e7, d2h_bytes_per_s=1e7)
+    plans = {}
+    for sync in (False, True):
+        live, costs = analyze(mlp, spec(**figures, host_is_device=sync))
+        assert costs.synchronous_copies is sync
+        budget = int(0.75 * live.peak_bytes)
+        plans[sync] = {s: plan_recompute.plan_joint(mlp, live, costs, budget, s, 0) for s in ("auto", "offload")}
+    async_auto, sync_auto, sync_off = plans[False]["auto"], plans[True]["auto"], plans[True]["offload"]
+    assert "offload" in decisions(async_auto).values() and async_auto.plan.exposed_transfer_seconds == 0.0
+    # Offload only, synchronous: every copy's seconds are exposed.
+    copy_bytes = sum(g.copy_bytes for ev in sync_off.plan.evictions for g in ev.groups)
+    assert copy_bytes > 0
+    assert sync_off.plan.exposed_transfer_seconds == pytest.approx(2 * copy_bytes / 1e7, rel=1e-9)
+    assert sync_off.plan.predicted_step_seconds == pytest.approx(
+        sync_off.costs.compute_seconds + 2 * copy_bytes / 1e7, rel=1e-9
+    )
+    assert "offload" not in decisions(sync_auto).values() and "recompute" in decisions(sync_auto).values()
+    assert sync_auto.plan.feasible and sync_auto.plan.predicted_step_seconds < sync_off.plan.predicted_step_seconds
+
+
 @pytest.mark.parametrize("budget", ["none", "peak", "above"])
 def test_budget_at_or_above_the_unplanned_peak_gives_an_empty_plan(mlp, budget):
     live, costs = analyze(mlp, SLOW_LINK)

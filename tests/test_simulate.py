@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload_compiler.passes.simulate import CopyTask, simulate
+from offload_compiler.passes.simulate import CopyTask, CopyTiming, simulate
 
 
 def d2h(id, seconds, issue, wait):
@@ -144,6 +144,30 @@ def test_hand_computed_timelines(steps, copies, total, exposed, starts, per_copy
     got = {c.id: (c.issue, c.start, c.end, c.stall) for c in tl.copies}
     assert got == per_copy
     assert [c.direction for c in tl.copies] == [c.direction for c in sorted(copies, key=lambda c: c.id)]
+
+
+def test_synchronous_copies_run_on_the_compute_stream():
+    """A copy with ``on_compute`` (the device is the host CPU) runs where it is issued and is
+    exposed in full, however much compute lies before its wait; the channel it would have used
+    stays free for an asynchronous copy."""
+    sync = CopyTask(0, "d2h", 2.0, 1, 3, on_compute=True)
+    tl = simulate([1.0, 1.0, 1.0, 1.0], [sync])
+    # The same copy asynchronous hides exactly (the "one D2H hidden exactly" case); synchronous,
+    # steps 1-3 start 2 s later.
+    assert tl.step_seconds == 6.0 and tl.exposed_seconds == 2.0
+    assert tl.step_start == (0.0, 3.0, 4.0, 5.0)
+    assert tl.copies[0] == CopyTiming(0, "d2h", 1.0, 1.0, 3.0, 2.0)
+    both = simulate([1.0, 1.0, 1.0, 1.0], [sync, d2h(1, 1.0, 1, 3)])
+    # The asynchronous copy, issued after the synchronous one at position 1, starts at t=3 on its
+    # free channel and ends at 4, before its wait (t=4).
+    assert both.step_seconds == 6.0 and both.exposed_seconds == 2.0
+    assert both.copies[1] == CopyTiming(1, "d2h", 3.0, 3.0, 4.0, 0.0)
+    # Two synchronous copies at one position run one after the other.
+    two = simulate(
+        [1.0, 1.0], [CopyTask(0, "d2h", 2.0, 1, 2, on_compute=True), CopyTask(1, "h2d", 0.5, 1, 1, on_compute=True)]
+    )
+    assert two.step_seconds == 4.5 and two.exposed_seconds == 2.5
+    assert two.step_start == (0.0, 3.5)
 
 
 def test_copies_come_back_sorted_by_id():

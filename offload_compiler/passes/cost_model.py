@@ -37,6 +37,7 @@ from ..ir.alias import storage_key, tensor_span_bytes
 from ..ir.ops import TRANSFER_OPS
 from ..options import TrinityOptions
 from .liveness import Liveness
+from .simulate import CopyTask
 
 __all__ = [
     "host_update_from_optimizer",
@@ -73,6 +74,29 @@ class Costs:
         """Seconds to copy ``nbytes`` over the host link in ``direction``; host memory is pinned
         when ``pinned`` (trinity's host pool is pinned on CUDA), else pageable."""
         return nbytes / self.device.transfer_bytes_per_s(direction, self.pinned)
+
+    @property
+    def synchronous_copies(self) -> bool:
+        """Whether copies run on the compute stream, one after the other with the compute: the
+        device is the host CPU itself (:attr:`DeviceSpec.host_is_device`), where the runtime's
+        copies are memcpys on the cores that run the graph (``runtime/transfer.py``: no copy
+        streams), so no copy hides under compute."""
+        return self.device.host_is_device
+
+    def copy_task(
+        self, task_id: int, direction: Literal["d2h", "h2d"], nbytes: int, issue_pos: int, wait_pos: int
+    ) -> CopyTask:
+        """The simulator's task for a copy of ``nbytes`` bytes issued at position ``issue_pos`` and
+        waited for at ``wait_pos`` (see :mod:`.simulate`): :meth:`transfer_seconds` long, on the
+        compute stream where copies are synchronous (:attr:`synchronous_copies`)."""
+        return CopyTask(
+            task_id,
+            direction,
+            self.transfer_seconds(nbytes, direction),
+            issue_pos,
+            wait_pos,
+            on_compute=self.synchronous_copies,
+        )
 
     @property
     def compute_seconds(self) -> float:

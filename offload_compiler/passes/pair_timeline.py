@@ -60,7 +60,7 @@ def simulate_pair(pair, spec, assume_fusion: bool = False, pinned: bool = True) 
         nbytes = tensor_span_bytes(val)
         direction = "d2h" if n.target is EVICT else "h2d"
         wait_pos = index[waits[0]] if waits else len(nodes)
-        tasks.append(CopyTask(len(tasks), direction, costs.transfer_seconds(nbytes, direction), index[n], wait_pos))
+        tasks.append(costs.copy_task(len(tasks), direction, nbytes, index[n], wait_pos))
         names.append(f"{'evict' if direction == 'd2h' else 'prefetch'} {n.name} ({nbytes} bytes)")
     step_names = tuple(f"{s.graph}:{s.node}" for s in live.steps)
     if not (has_streams(pair.forward) or has_streams(pair.backward)):
@@ -125,5 +125,5 @@ def _param_copy_tasks(nodes, index, costs, tasks: list, names: list) -> None:
                 ),
                 len(nodes),
             )  # fmt: skip
-        tasks.append(CopyTask(len(tasks), direction, costs.transfer_seconds(nbytes, direction), index[n], wait_pos))
+        tasks.append(costs.copy_task(len(tasks), direction, nbytes, index[n], wait_pos))
         names.append(f"{n.target._schema.name.split('::')[1]} {n.name} ({nbytes} bytes)")

@@ -677,13 +677,12 @@ def copy_tasks(the_plan: ResidencyPlan, costs: Costs, first_id: int = 0) -> list
 
 def _copy_tasks(the_plan: ResidencyPlan, costs: Costs, first_id: int) -> tuple[list, dict[int, int]]:
     """:func:`copy_tasks` and, per parameter (its placeholder's name), the id of its gradient's copy."""
-    from .simulate import CopyTask
 
     tasks = []
     grad_copy: dict[int, int] = {}
 
     def add(direction, nbytes, issue, wait):
-        tasks.append(CopyTask(first_id + len(tasks), direction, costs.transfer_seconds(nbytes, direction), issue, wait))
+        tasks.append(costs.copy_task(first_id + len(tasks), direction, nbytes, issue, wait))
 
     for p in the_plan.params:
         if p.fw_fetch_before is not None and the_plan.mode == "all":

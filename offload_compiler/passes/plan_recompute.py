@@ -19,7 +19,9 @@ the budget. It is made in three stages:
    the compute stream stalls at least ``sum(copy seconds of copies j..k) - (compute time between
    copy j's issue and copy k's wait)`` for every ``j <= k``, a bound written with ``O(n)`` rows by
    cumulative sums; in the backward the recomputation is compute time the prefetches hide under.
-   The objective is recompute seconds plus the two channels' stalls. The solver has a soft time
+   The objective is recompute seconds plus the two channels' stalls. Where copies are
+   synchronous (the device is the host CPU: :attr:`.cost_model.Costs.synchronous_copies`), an
+   offload costs its two copies' seconds instead, and there are no channels. The solver has a soft time
    limit (:data:`SOLVER_TIME_LIMIT_S`: then it stops at its first feasible solution) and a hard
    one (:data:`SOLVER_HARD_LIMIT_S`); without ``highspy``, or when it finds no solution in time, a
    greedy fallback ranks chains by recompute seconds per byte freed and tries prefixes of that
@@ -535,7 +537,14 @@ def _build_model(
     st = max(float(ce[-1]), 1e-12) / 1e4  # seconds -> model units
     w = _MIN_PEAK_TIME_WEIGHT if min_peak else 1.0  # weight of the step's seconds in the objective
     m = _Model()
-    xo = {c.buffer: m.var(0.0, 0.0, 1.0, True) for c in offs} if use_offload else {}
+    # Synchronous copies (the device is the host CPU) stall the compute stream for their whole
+    # time wherever they are placed: each offload costs its two copies, and there are no channels.
+    sync = costs.synchronous_copies
+    xo = (
+        {c.buffer: m.var(w * (c.d2h + c.h2d) / st if sync else 0.0, 0.0, 1.0, True) for c in offs}
+        if use_offload
+        else {}
+    )
     xr = {c.buffer: m.var(w * c.seconds / st, 0.0, 1.0, True) for c in chains} if use_recompute else {}
     peak = m.var(1.0, -np.inf, np.inf) if min_peak else None
     for b in set(xo) & set(xr):
@@ -660,7 +669,7 @@ def _build_model(
             m.row(coefs, -ce[wait] / st, np.inf)
             q_prev, m_prev = q, mk
 
-    live_offs = [c for c in offs if c.buffer in xo]
+    live_offs = [c for c in offs if c.buffer in xo and not sync]
     channel([(xo[c.buffer], c.d2h, c.issue + 1, c.e + 1) for c in sorted(live_offs, key=lambda c: c.issue)])
     channel([(xo[c.buffer], c.h2d, c.p, c.hi_p) for c in sorted(live_offs, key=lambda c: (c.p, c.hi_p))])
     return m, xo, xr
@@ -778,6 +787,7 @@ def choose(
                 # The recompute-only program (what strategy="recompute" solves, so that auto
                 # scores it too) is small and easy: a quarter of the time; the joint one the rest.
                 variants = [("recompute only", False)] + ([("solver", True)] if offload_ok else [])
+
                 def time_left(with_offload: bool) -> float:
                     if with_offload is False and offload_ok:
                         return max(0.05, 0.25 * time_limit_s)
@@ -795,7 +805,15 @@ def choose(
                         # fallback's, whose recompute transients can pile up to a higher peak.
                         name = f"{name}, lowest peak"
                         model, xo, xr = _build_model(
-                            live, costs, offs, list(chains), budget, with_offload, True, earlier_runs, kept_cap,
+                            live,
+                            costs,
+                            offs,
+                            list(chains),
+                            budget,
+                            with_offload,
+                            True,
+                            earlier_runs,
+                            kept_cap,
                             min_peak=True,
                         )
                         status, sol = model.solve(time_left(with_offload))

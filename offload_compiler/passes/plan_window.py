@@ -238,16 +238,8 @@ def copy_tasks(evictions, costs: Costs) -> list[CopyTask]:
     tasks = []
     for ev in evictions:
         for g in ev.groups:
-            tasks.append(
-                CopyTask(
-                    len(tasks), "d2h", costs.transfer_seconds(g.copy_bytes, "d2h"), g.issue_after + 1, ev.wait_after + 1
-                )
-            )
-            tasks.append(
-                CopyTask(
-                    len(tasks), "h2d", costs.transfer_seconds(g.copy_bytes, "h2d"), ev.prefetch_before, g.wait_before
-                )
-            )
+            tasks.append(costs.copy_task(len(tasks), "d2h", g.copy_bytes, g.issue_after + 1, ev.wait_after + 1))
+            tasks.append(costs.copy_task(len(tasks), "h2d", g.copy_bytes, ev.prefetch_before, g.wait_before))
     return tasks
 
 

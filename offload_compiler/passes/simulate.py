@@ -5,7 +5,9 @@ position ``p`` is the gap just before step ``p`` (``0 <= p <= number of steps``)
 copies are issued first (in order), then waits are served; then step ``p`` runs. A copy starts
 when it is issued and its channel is free (each channel runs its copies one at a time, in issue
 order) and takes ``seconds``; a wait stalls the compute stream until its copy has finished. The
-stall is exposed copy time.
+stall is exposed copy time. A synchronous copy (``CopyTask.on_compute``: the device is the host CPU,
+whose copies are memcpys on the compute cores) runs on the compute stream where it is issued and
+is exposed in full.
 
 This is exact for that model; it is the model the planner scores plans with.
 
@@ -47,13 +49,19 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CopyTask:
-    """One copy: issued at position ``issue_pos``, waited for at position ``wait_pos``."""
+    """One copy: issued at position ``issue_pos``, waited for at position ``wait_pos``.
+
+    ``on_compute``: a synchronous copy (the device is the host CPU, see
+    :attr:`.cost_model.Costs.synchronous_copies`): it runs on the compute stream where it is
+    issued, after the copies issued before it there, and all of its ``seconds`` are exposed
+    (its wait then finds it done). Its channel is not used."""
 
     id: int
     direction: Literal["d2h", "h2d"]
     seconds: float
     issue_pos: int
     wait_pos: int
+    on_compute: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,7 +115,7 @@ class Timeline:
     Attributes:
         step_seconds: predicted time of the whole schedule (compute plus stalls).
         compute_seconds: sum of the step durations.
-        exposed_seconds: total stall of the compute stream on copies.
+        exposed_seconds: total stall of the compute stream on copies (synchronous copies in full).
         step_start: start time of each step.
         copies: per copy, when it was issued, started, ended, and the stall it caused.
         update_seconds: total optimizer-update time per step (every :class:`UpdateTask`).
@@ -154,6 +162,11 @@ def simulate(step_seconds: Sequence[float], copies: Sequence[CopyTask], updates:
     starts = []
     for pos in range(n + 1):
         for c in issues.get(pos, ()):
+            if c.on_compute:
+                timing[c.id] = [t, t, t + c.seconds, c.seconds]
+                exposed += c.seconds
+                t += c.seconds
+                continue
             start = max(t, free[c.direction])
             end = start + c.seconds
             free[c.direction] = end
@@ -227,6 +240,11 @@ def _simulate_with_updates(
                     exposed_update += end - t
                     t = end
             for c in issues.get(pos, ()):
+                if c.on_compute:
+                    timing[c.id] = [t, t, t + c.seconds, c.seconds]
+                    exposed += c.seconds
+                    t += c.seconds
+                    continue
                 start = max(t, free[c.direction])
                 free[c.direction] = start + c.seconds
                 timing[c.id] = [t, start, start + c.seconds, 0.0]
