@@ -335,7 +335,15 @@ def test_hf_model_trains_like_its_reference(arch, inner, budget):
     inductor_graphs = _plain(arch, "inductor")[2]
     before = len(offload_compiler.reports())
     percent = FEASIBLE.get(arch, "75%") if budget == "feasible" else budget
-    options = {"inner": inner, "min_offload_bytes": 0, "memory_budget": percent, "on_infeasible": "warn"}
+    # strategy="offload": these cases check the offload rewrite on each architecture (on the CPU,
+    # whose copies are synchronous, "auto" mostly recomputes instead).
+    options = {
+        "inner": inner,
+        "min_offload_bytes": 0,
+        "memory_budget": percent,
+        "on_infeasible": "warn",
+        "strategy": "offload",
+    }
     run, graphs = _train(arch, "trinity", params=start, options=options)
     reports = offload_compiler.reports()[before:]
     assert reports, "trinity planned no training graph"
