@@ -327,35 +327,6 @@ def test_fusion_of_a_temporary_whose_readers_meet_again():
     assert buffer_holding(other, "forward:mul_1").fused
 
 
-def test_horizontal_fusion_keeps_the_earlier_kernel_live_to_the_later_one():
-    """Two independent pointwise kernels of one size that read a common buffer are one kernel
-    under Inductor (torch 2.13 emits ``cpp_fused_mul_0(buf0, buf1, buf3)`` for ``y * 2`` and
-    ``y * 3`` here): both outputs are allocated at once, so the earlier one stays live up to the
-    later one's step although its only reader (a matmul) comes before."""
-    torch.manual_seed(0)
-    w = torch.randn(4, 4, requires_grad=True)
-    x = torch.randn(3, 4, requires_grad=True)
-    k = torch.randn(4, 4)
-
-    def fn(w, x, k):
-        y = x @ w
-        b = (y * 2) @ k  # mul (step 4), mm_1 (step 5)
-        c = (y * 3) @ k  # mul_1 (step 6), mm_2 (step 7)
-        return (b * c).sum()
-
-    pair = capture_pair(fn, w, x, k, static=(0,))
-    plain = liveness.analyze(pair)
-    fused = liveness.analyze(pair, assume_fusion=True)
-    assert [s.node for s in fused.steps[3:8]] == ["mm", "mul", "mm_1", "mul_1", "mm_2"]
-    inputs, t = 64 + 48 + 64, 48  # w, x, k; every (3, 4) temporary
-    # At mul_1: mm, mm_1 and mul_1, and with the fusion mul too.
-    assert plain.live_bytes()[6] == inputs + 3 * t
-    assert fused.live_bytes()[6] == inputs + 4 * t
-    assert buffer_holding(plain, "forward:mul").last_step == 5
-    assert buffer_holding(fused, "forward:mul").last_step == 6
-    assert not buffer_holding(fused, "forward:mul").fused
-
-
 def test_convolution_workspace_counts_at_its_step():
     torch.manual_seed(0)
     w = torch.randn(2, 1, 3, 3, requires_grad=True)

@@ -624,17 +624,11 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
     save_only = _save_only_views(fw_nodes, keys.node_keys)
     target = getattr(pair.forward, "meta", {}).get(TARGET_DEVICE_KEY)
     fused_nodes = _fused_nodes(sched.nodes, keys, kind_of, target) if assume_fusion else set()
-    late = _horizontal_fusion_ends(sched, keys, fused_nodes) if assume_fusion else {}
 
     def reader_step(n: fx.Node) -> int:
-        end = fused_chain_end(n, fused_nodes)
-        return max(sched.node_step[end], late.get(end, -1))
+        return sched.node_step[fused_chain_end(n, fused_nodes)]
 
     roots = _defs_and_uses(sched, keys, save_only, reader_step)
-    for kernel, step in late.items():  # its output stays allocated up to the fused kernel
-        for r in keys.roots(kernel):
-            if r in roots:
-                roots[r]["uses"].append(step)
     saved, saved_of_root = _saved_tensors(
         links, keys, kind_of, roots, sched.node_step, device, _collective_roots(sched.nodes, keys), reader_step
     )
@@ -837,82 +831,6 @@ def _fused_nodes(nodes: list[fx.Node], keys: _Keys, kind_of: dict, device_type: 
         ):
             fused.add(n)
     return fused
-
-
-HORIZONTAL_FUSION_WINDOW = 64
-"""Inductor tries to fuse each kernel with the next this many kernels that read one of its
-buffers (``config.max_fusion_buffer_group_pairwise_attempts`` in torch 2.11-2.13)."""
-
-
-def _horizontal_fusion_ends(sched: _Schedule, keys: _Keys, fused_nodes: set[fx.Node]) -> dict[fx.Node, int]:
-    """With fusion, the kernels Inductor may merge with a later, independent kernel: for such a
-    kernel, the step of the latest one (``kernel -> step``).
-
-    Inductor's scheduler fuses two kernels that read a common buffer and do not depend on each
-    other (horizontal fusion: ``Scheduler.get_possible_fusions`` groups nodes by the buffers they
-    read; ``will_fusion_create_cycle`` refuses a pair one of which depends on the other), with
-    no limit on how far apart they are (``are_long_distant_nodes`` exists but is not called, torch
-    2.13). The merged kernel allocates both outputs at once and reads both kernels' inputs: seen
-    in the Llama preset's backward, where a recomputed ``silu(gate) * up`` and the SiLU backward's
-    two products, all reading the saved ``gate`` and ``up``, run as one kernel holding six
-    (2048, 352) buffers where the graph order holds four. Modelled conservatively: the earlier
-    kernel's inputs and output stay allocated up to the later kernel's step (so both outputs and
-    all inputs are live there). Only pointwise kernels with the same number of output elements
-    (Inductor's CPU and Triton backends fuse horizontally only over one iteration space), in one
-    graph, within :data:`HORIZONTAL_FUSION_WINDOW` kernels of each other among the readers of
-    the shared buffer."""
-    node_step = sched.node_step
-    # A kernel (a node not fused into another) reads what its whole fused chain reads.
-    reads: dict[fx.Node, set] = {}
-    for n in sched.nodes:
-        if n.op != "call_function":
-            continue
-        end = fused_chain_end(n, fused_nodes)
-        for m in n.all_input_nodes:
-            if m not in fused_nodes:
-                reads.setdefault(end, set()).update(keys.roots(m))
-
-    def kernel_numel(n: fx.Node) -> int | None:
-        if n in fused_nodes or not isinstance(n.target, torch._ops.OpOverload):
-            return None
-        if torch.Tag.pointwise not in n.target.tags:
-            return None
-        val = n.meta.get("val")
-        return hint_int(val.numel()) if isinstance(val, torch.Tensor) else None
-
-    readers: dict = {}
-    for k in sorted(reads, key=lambda n: node_step[n]):
-        if kernel_numel(k) is None:
-            continue
-        for r in reads[k]:
-            readers.setdefault(r, []).append(k)
-
-    partners: dict[fx.Node, set] = {}
-    for group in readers.values():
-        for i, a in enumerate(group):
-            for b in group[i + 1 : i + 1 + HORIZONTAL_FUSION_WINDOW]:
-                if b.graph is a.graph and kernel_numel(a) == kernel_numel(b):
-                    partners.setdefault(a, set()).add(b)
-
-    def descendants(a: fx.Node, limit: int) -> set:
-        """The nodes that read ``a`` through any chain of nodes, up to step ``limit``."""
-        seen, frontier = set(), [a]
-        while frontier:
-            for u in frontier.pop().users:
-                if u not in seen and node_step.get(u, limit + 1) <= limit:
-                    seen.add(u)
-                    frontier.append(u)
-        return seen
-
-    late: dict[fx.Node, int] = {}
-    # Latest first, so that a partner's own later partner is known (merges chain: A+B, B+C).
-    for a in sorted(partners, key=lambda n: -node_step[n]):
-        cands = partners[a]
-        below = descendants(a, max(node_step[b] for b in cands))
-        ends = [max(node_step[b], late.get(b, -1)) for b in cands if b not in below]
-        if ends:
-            late[a] = max(ends)
-    return late
 
 
 def _defs_and_uses(sched: _Schedule, keys: _Keys, save_only: set[fx.Node], reader_step) -> dict:
