@@ -287,46 +287,6 @@ def test_fusion_removes_pointwise_temporaries():
     assert buffer_holding(plain, "forward:mm").last_fw_use == 3
 
 
-def test_fusion_of_a_temporary_whose_readers_meet_again():
-    """A pointwise temporary read by two pointwise nodes that end in one kernel (a diamond: SiLU's
-    backward reads ``sigmoid(x)`` twice before one product) is computed inside that kernel;
-    readers ending in different kernels (two reductions) keep it allocated."""
-    torch.manual_seed(0)
-    w = torch.randn(4, 4, requires_grad=True)
-    x = torch.randn(3, 4, requires_grad=True)
-
-    def diamond(w, x):
-        s = (x @ w) * 3  # mul: read by mul_1 and by add, and mul_1 is read by add
-        return ((s * 2 + s) @ w).sum()
-
-    def two_kernels(w, x):
-        s = (x @ w) * 3  # mul: read by sum_1 and by mul_1, which sum_2 reads
-        return s.sum() + (s * 2).sum()
-
-    pair = capture_pair(diamond, w, x, static=(0,))
-    fused = liveness.analyze(pair, assume_fusion=True)
-    plain = liveness.analyze(pair)
-    assert {"forward:mul", "forward:mul_1"} <= {b.nodes[0] for b in fused.buffers if b.fused}
-    w_, x_, t = 64, 48, 48  # float32 (4, 4), (3, 4); every temporary is (3, 4)
-    # steps: primals_1, primals_2, mm, mul, mul_1, add
-    assert plain.live_bytes()[:6].tolist() == [
-        w_,
-        w_ + x_,
-        w_ + x_ + t,
-        w_ + x_ + 2 * t,
-        w_ + x_ + 2 * t,
-        w_ + x_ + 3 * t,
-    ]
-    assert fused.live_bytes()[:6].tolist() == [w_, w_ + x_, w_ + x_ + t, w_ + x_ + t, w_ + x_ + t, w_ + x_ + 2 * t]
-    # mm is read by mul, computed inside add's kernel (step 5).
-    assert buffer_holding(fused, "forward:mm").last_fw_use == 5
-    assert buffer_holding(plain, "forward:mm").last_fw_use == 3
-
-    other = liveness.analyze(capture_pair(two_kernels, w, x, static=(0,)), assume_fusion=True)
-    assert not buffer_holding(other, "forward:mul").fused
-    assert buffer_holding(other, "forward:mul_1").fused
-
-
 def test_convolution_workspace_counts_at_its_step():
     torch.manual_seed(0)
     w = torch.randn(2, 1, 3, 3, requires_grad=True)

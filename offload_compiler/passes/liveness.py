@@ -478,11 +478,10 @@ def _is_collective(node: fx.Node) -> bool:
 
 
 def fused_chain_end(node: fx.Node, fused_nodes: set) -> fx.Node:
-    """The node whose kernel computes ``node``: ``node`` itself, or, for a fused node (see
-    :func:`_fused_nodes`), the end of its chain: every reader of a fused node ends in the same
-    kernel, so any reader leads there."""
+    """The node whose kernel computes ``node``: ``node`` itself, or, for a node fused into its
+    only reader, the end of that chain."""
     while node in fused_nodes:
-        node = next(iter(node.users))
+        (node,) = node.users
     return node
 
 
@@ -495,27 +494,24 @@ def _is_host_placeholder(node: fx.Node) -> bool:
 
 
 def _fusible(node: fx.Node, device_type: str | None = None) -> bool:
-    """A node Inductor may compute inside its readers' kernel: a pointwise op every reader of
-    which is a pointwise op or a reduction (and not an ``add`` that becomes an ``addmm``), or an
-    ``mm`` that Inductor's ``addmm`` pattern fuses into its reader (:func:`addmm_fused_into`).
-    Whether it is then never allocated depends on where its readers' kernels end
-    (:func:`_fused_nodes`)."""
+    """A node Inductor computes inside its only reader's kernel and never allocates: a pointwise
+    op whose only reader is a pointwise op or a reduction (and not an ``add`` that becomes an
+    ``addmm``), or an ``mm`` that Inductor's ``addmm`` pattern fuses into that reader
+    (:func:`addmm_fused_into`)."""
     if addmm_fused_into(node, device_type) is not None:
         return True
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    if torch.Tag.pointwise not in node.target.tags or not node.users:
+    if torch.Tag.pointwise not in node.target.tags or len(node.users) != 1:
         return False
     if any(addmm_fused_into(a, device_type) is node for a in node.all_input_nodes):
         return False  # an add that becomes an extern addmm kernel is allocated
-    for user in node.users:
-        if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
-            return False
-        if any(addmm_fused_into(a, device_type) is user for a in user.all_input_nodes):
-            return False  # the reader is an extern addmm kernel, nothing fuses into it
-        if torch.Tag.pointwise not in user.target.tags and torch.Tag.reduction not in user.target.tags:
-            return False
-    return True
+    (user,) = node.users
+    if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+        return False
+    if any(addmm_fused_into(a, device_type) is user for a in user.all_input_nodes):
+        return False  # the reader is an extern addmm kernel, nothing fuses into it
+    return torch.Tag.pointwise in user.target.tags or torch.Tag.reduction in user.target.tags
 
 
 _GPU_DEVICE_TYPES = frozenset({"cuda", "xpu", "mtia"})
@@ -801,25 +797,15 @@ def _save_only_views(fw_nodes: list[fx.Node], node_keys: dict) -> set[fx.Node]:
 
 
 def _fused_nodes(nodes: list[fx.Node], keys: _Keys, kind_of: dict, device_type: str | None = None) -> set[fx.Node]:
-    """With fusion, the temporaries the inner compiler computes inside another node's kernel and
-    never allocates: a :func:`_fusible` node whose readers all end in one kernel, either because
-    it has one reader or because its readers meet again downstream (a diamond, such as SiLU's
-    backward reading ``sigmoid(x)`` twice before one product). What it reads is read where that
-    kernel runs. Only temporaries held by that node alone.
-
-    Inductor computes such a node inside the kernel either by inlining it into every reader
-    (``StorageBox.mark_reuse`` keeps a few-read pointwise node unrealized) or, where it realizes
-    it (on the CPU an ``exp``/``sigmoid``/``tanh``/``log`` with several readers), by fusing its
-    kernel with its readers' one and removing the kernel-local buffer (checked on the generated
-    code of the Llama preset's backward with torch 2.13: ``sigmoid`` lives only inside
-    ``cpp_fused_..._silu_backward``). Readers ending in different kernels keep it allocated
-    (conservative where Inductor would inline it into both)."""
+    """With fusion, a pointwise node whose only reader is pointwise or a reduction is computed
+    inside that reader's kernel: it is never allocated, and what it reads is read where the chain
+    of such nodes ends. Only temporaries held by that node alone."""
     holders: dict = {}
     for n in nodes:
         for r in keys.roots(n):
             holders.setdefault(r, set()).add(n)
     fused: set[fx.Node] = set()
-    for n in reversed(nodes):  # readers come after the node: their chain ends are known
+    for n in nodes:
         node_keys = keys.node_keys.get(n)
         if (
             node_keys
@@ -827,7 +813,6 @@ def _fused_nodes(nodes: list[fx.Node], keys: _Keys, kind_of: dict, device_type: 
             and kind_of.get(keys.uf.find(node_keys[0]), BufferKind.TEMPORARY) is BufferKind.TEMPORARY
             and holders[keys.uf.find(node_keys[0])] == {n}
             and _fusible(n, device_type)
-            and len({fused_chain_end(u, fused) for u in n.users}) == 1
         ):
             fused.add(n)
     return fused
