@@ -170,6 +170,25 @@ def test_synchronous_copies_run_on_the_compute_stream():
     assert two.step_start == (0.0, 3.5)
 
 
+def test_synchronous_copy_in_a_program_matches_the_single_stream_simulator():
+    """``simulate_program`` with one stream is ``simulate``, synchronous copies included."""
+    from offload_compiler.passes.simulate import ProgramStep, simulate_program
+
+    prog = simulate_program(
+        [
+            ProgramStep("compute", 0, 1.0),
+            ProgramStep("copy", 0, 2.0, "a", "d2h", on_compute=True),
+            ProgramStep("compute", 0, 1.0),
+            ProgramStep("copy_wait", 0, key="a"),
+            ProgramStep("compute", 0, 1.0),
+        ]
+    )
+    single = simulate([1.0, 1.0, 1.0], [CopyTask(0, "d2h", 2.0, 1, 2, on_compute=True)])
+    assert prog.step_seconds == single.step_seconds == 5.0
+    assert prog.exposed_seconds == single.exposed_seconds == 2.0
+    assert prog.copies == (("a", 1.0, 1.0, 3.0, 2.0),)
+
+
 def test_copies_come_back_sorted_by_id():
     copies = [d2h(3, 1.0, 0, 1), h2d(1, 1.0, 0, 1), d2h(2, 1.0, 0, 1)]
     tl = simulate([1.0, 1.0], copies)

@@ -531,10 +531,13 @@ def remove(gm: fx.GraphModule) -> int:
     return erased
 
 
-def program_steps(gm: fx.GraphModule, seconds: dict, copies: dict, key_prefix: object = None) -> list:
+def program_steps(
+    gm: fx.GraphModule, seconds: dict, copies: dict, key_prefix: object = None, synchronous: bool = False
+) -> list:
     """``gm``'s nodes as :class:`~offload_compiler.passes.simulate.ProgramStep` s for
     :func:`~offload_compiler.passes.simulate.simulate_program`, with streams from
-    ``meta["trinity_stream"]`` (0 where absent). Event and copy keys are ``(key_prefix, id)``."""
+    ``meta["trinity_stream"]`` (0 where absent). Event and copy keys are ``(key_prefix, id)``.
+    ``synchronous``: copies run on their node's stream (the device is the host CPU)."""
     from .simulate import ProgramStep
 
     steps = []
@@ -546,7 +549,9 @@ def program_steps(gm: fx.GraphModule, seconds: dict, copies: dict, key_prefix: o
             steps.append(ProgramStep("wait", n.args[3], key=(key_prefix, n.args[2])))
         elif n.op == "call_function" and n.target in (EVICT, PREFETCH):
             direction = "d2h" if n.target is EVICT else "h2d"
-            steps.append(ProgramStep("copy", s, copies.get(n, 0.0), (key_prefix, n.name), direction))
+            steps.append(
+                ProgramStep("copy", s, copies.get(n, 0.0), (key_prefix, n.name), direction, on_compute=synchronous)
+            )
         elif n.op == "call_function" and n.target in (EVICT_WAIT, PREFETCH_WAIT):
             steps.append(ProgramStep("copy_wait", s, key=(key_prefix, n.args[0].name)))
         else:

@@ -75,8 +75,9 @@ def simulate_pair(pair, spec, assume_fusion: bool = False, pinned: bool = True) 
         n: tasks[i].seconds
         for i, n in enumerate(x for x in nodes if x.op == "call_function" and x.target in (EVICT, PREFETCH))
     }
-    steps = program_steps(pair.forward, seconds, copy_seconds, "forward") + program_steps(
-        pair.backward, seconds, copy_seconds, "backward"
+    sync = costs.synchronous_copies
+    steps = program_steps(pair.forward, seconds, copy_seconds, "forward", sync) + program_steps(
+        pair.backward, seconds, copy_seconds, "backward", sync
     )
     prog = simulate_program(steps, EVENT_OVERHEAD_S)
     copy_names = {}

@@ -327,6 +327,9 @@ class ProgramStep:
       * ``"copy"``: copy ``key`` of ``seconds`` on the ``direction`` channel, ordered after
         ``stream``'s work so far (the runtime's ``wait_stream``).
       * ``"copy_wait"``: ``stream`` waits for copy ``key``; the stall is exposed copy time.
+
+    ``on_compute`` (a ``"copy"`` where copies are synchronous, as :attr:`CopyTask.on_compute`): the
+    copy runs on ``stream`` itself, exposed in full; its channel is not used.
     """
 
     kind: Literal["compute", "record", "wait", "copy", "copy_wait"]
@@ -334,6 +337,7 @@ class ProgramStep:
     seconds: float = 0.0
     key: object = None
     direction: str = "d2h"
+    on_compute: bool = False
 
 
 @dataclass(frozen=True)
@@ -382,6 +386,11 @@ def simulate_program(steps: Sequence[ProgramStep], event_seconds: float = 0.0) -
             if st.key in events:
                 free[st.stream] = max(t, events[st.key] + event_seconds)
             end = free.get(st.stream, 0.0)
+        elif st.kind == "copy" and st.on_compute:
+            start, end = t, t + st.seconds
+            free[st.stream] = end
+            copies[st.key] = [t, start, end, st.seconds]
+            exposed += st.seconds
         elif st.kind == "copy":
             start = max(t, channel[st.direction])
             end = start + st.seconds
