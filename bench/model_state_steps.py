@@ -29,7 +29,7 @@ import offload_compiler
 from offload_compiler import CPUOptimizer
 from offload_compiler.calibrate import calibrate
 
-from .common import write_result
+from .common import OtherLoad, write_result
 from .model_state import _batch, _config, _loss
 
 
@@ -98,7 +98,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for depth in (int(d) for d in args.depths.split(",")):
         for impl in args.implementations.split(","):
-            row = measure(_config(depth, 128, 64, 256), 4, int(args.budget_mib * 2**20), calibration, args.steps, impl)
+            with OtherLoad() as load:
+                row = measure(
+                    _config(depth, 128, 64, 256), 4, int(args.budget_mib * 2**20), calibration, args.steps, impl
+                )
+            row["other_load"] = load.fraction
             rows.append(row)
             print(
                 f"depth {depth:3d} {impl:8s}: measured {row['measured_step_seconds'] * 1e3:8.1f} ms, predicted "
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
         "budget_bytes": int(args.budget_mib * 2**20),
         "model": {"width": 128, "seq": 64, "batch": 4, "vocab": 256, "tie_weights": True},
         "calibration": {k: v for k, v in figures.items() if not isinstance(v, dict)},
-        "shared_machine": "other developers' jobs ran on this 2-core machine during the measurement",
+        "other_load": "per row: the fraction of the machine's CPU other processes used while it was measured",
         "rows": rows,
         "target": "predicted within 25% of measured",
     }
