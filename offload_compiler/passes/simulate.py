@@ -162,15 +162,8 @@ def simulate(step_seconds: Sequence[float], copies: Sequence[CopyTask], updates:
     starts = []
     for pos in range(n + 1):
         for c in issues.get(pos, ()):
-            if c.on_compute:
-                timing[c.id] = [t, t, t + c.seconds, c.seconds]
-                exposed += c.seconds
-                t += c.seconds
-                continue
-            start = max(t, free[c.direction])
-            end = start + c.seconds
-            free[c.direction] = end
-            timing[c.id] = [t, start, end, 0.0]
+            t, copy_stall = _issue(c, t, free, timing)
+            exposed += copy_stall
         for c in waits.get(pos, ()):
             end = timing[c.id][2]
             if end > t:
@@ -188,6 +181,19 @@ def simulate(step_seconds: Sequence[float], copies: Sequence[CopyTask], updates:
         step_start=tuple(starts),
         copies=copies_out,
     )
+
+
+def _issue(c: CopyTask, t: float, free: dict[str, float], timing: dict[int, list[float]]) -> tuple[float, float]:
+    """Issue copy ``c`` at time ``t``: records its ``[issue, start, end, stall]`` in ``timing``;
+    returns the compute stream's time after it and the stall it caused there (a synchronous copy
+    runs on the compute stream, exposed in full; any other starts when its channel is free)."""
+    if c.on_compute:
+        timing[c.id] = [t, t, t + c.seconds, c.seconds]
+        return t + c.seconds, c.seconds
+    start = max(t, free[c.direction])
+    free[c.direction] = start + c.seconds
+    timing[c.id] = [t, start, start + c.seconds, 0.0]
+    return t, 0.0
 
 
 def _simulate_with_updates(
@@ -240,14 +246,8 @@ def _simulate_with_updates(
                     exposed_update += end - t
                     t = end
             for c in issues.get(pos, ()):
-                if c.on_compute:
-                    timing[c.id] = [t, t, t + c.seconds, c.seconds]
-                    exposed += c.seconds
-                    t += c.seconds
-                    continue
-                start = max(t, free[c.direction])
-                free[c.direction] = start + c.seconds
-                timing[c.id] = [t, start, start + c.seconds, 0.0]
+                t, copy_stall = _issue(c, t, free, timing)
+                exposed += copy_stall
             for c in waits.get(pos, ()):
                 end = timing[c.id][2]
                 if end > t:
