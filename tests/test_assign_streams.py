@@ -368,3 +368,25 @@ def test_the_pipeline_step_gives_forward_and_backward_disjoint_event_ids():
     assert ids["backward"] == set(range(2, 2 + plans["backward"].num_events))
     # The peak is what it was: the waits allocate nothing and follow the last uses directly.
     assert liveness.analyze(pair).peak_bytes == live.peak_bytes
+
+
+def test_synchronous_copies_take_their_streams_time():
+    """Where the device is the host CPU, a copy runs on its node's stream: the stream pass sees
+    its seconds as the node's own and no channel time, so no copy hides under another stream."""
+    from offload_compiler.passes import insert_transfers
+    from offload_compiler.runtime.transfer import TransferRuntime
+
+    from ._pass_helpers import make_plan, mlp4_pair
+
+    pair = mlp4_pair()
+    live, _costs, plan = make_plan(pair, 0, ROUND)  # budget 0: every candidate evicted
+    assert plan.evictions
+    rt = TransferRuntime(torch.device("cpu"), 1 << 20)
+    insert_transfers.apply(pair, live, plan, rt.id)
+    gm = pair.forward
+    secs, copies = A.graph_seconds(gm, ROUND)
+    sync_secs, sync_copies = A.graph_seconds(gm, dataclasses.replace(ROUND, host_is_device=True))
+    assert copies and all(c > 0 for c in copies.values())
+    assert set(sync_copies) == set(copies) and all(c == 0.0 for c in sync_copies.values())
+    for n in gm.graph.nodes:
+        assert sync_secs[n] == secs[n] + copies.get(n, 0.0)
