@@ -205,7 +205,12 @@ def _train(arch: str, backend: str, dtype=torch.float32, params=None, **compile_
     counters.clear()
     compiled = model if backend == "none" else torch.compile(model, backend=backend, **compile_kw)
     run = _Run(model, compiled, _as(batch, dtype))
-    with warnings.catch_warnings():
+    # transformers >= 5.25 sets a context variable (its hub kernels' routing, undone on return) in
+    # each decoder layer's forward; inside a checkpointed layer Dynamo refuses that side effect and
+    # breaks the graph in every layer, for every backend. Replaying it in the recomputation is not
+    # needed, so these runs take Dynamo's own switch for that, as its graph-break hint advises.
+    side_effects = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    with warnings.catch_warnings(), side_effects:
         warnings.filterwarnings("ignore", message="trinity: memory_budget")  # the 50% "warn" cases
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*")
         warnings.filterwarnings("ignore", message=".*use_cache=True.*")
