@@ -7,7 +7,17 @@
 * elementwise bandwidth: ``c = a + b`` on large tensors (3 tensors' bytes per call);
 * copy bandwidth between host and device, pinned and pageable, each direction (on the CPU: a
   memory-to-memory copy, bytes copied per second);
-* launch overhead: the time of a one-element add;
+* launch overhead: the time per node of an AOTAutograd-compiled forward and backward of tiny
+  ops (4x4 matmuls, tanh, transposes, their gradients), run as trinity's compiled graphs run:
+  FX-generated Python calling aten ops through the dispatcher, under AOTAutograd's runtime
+  wrapper; views count as nodes (the cost model charges them where the host is the device);
+* copy overhead: the time of one trinity copy's runtime calls beyond its bytes, per direction (a
+  parameter's fetch, wait and release; a gradient's copy and wait) through the dispatcher
+  (slot and pending-copy bookkeeping, the storage re-allocation); the cost model counts it
+  where copies are synchronous (the CPU as the device);
+* the host update's fixed cost per parameter tensor: ``CPUOptimizer`` stepping many small
+  tensors against few large ones of the same total (the per-call work of torch's optimizer and of
+  the worker's bookkeeping);
 * the host (the CPU, also when a GPU is there): its sustained memory bandwidth, a STREAM triad
   ``a = b + s * c`` over three buffers much larger than the caches, 12 bytes per element
   (J. McCalpin's STREAM convention), per thread count; and the real throughput of the host
@@ -45,6 +55,9 @@ __all__ = [
     "main",
     "stream_triad_bytes_per_s",
     "host_update_seconds",
+    "copy_overhead_seconds",
+    "graph_node_seconds",
+    "update_seconds_per_tensor",
     "thread_counts",
 ]
 
@@ -60,6 +73,10 @@ CALIBRATION_FIELDS = (
     "host_bytes_per_s",
     "host_update_seconds_per_param",
     "host_update_loop_seconds_per_param",
+    "h2d_overhead_s",
+    "d2h_overhead_s",
+    "host_update_seconds_per_tensor",
+    "host_update_loop_seconds_per_tensor",
 )
 
 
@@ -89,6 +106,89 @@ def _in_thread(fn: Callable[[], float], num_threads: int) -> float:
     t.start()
     t.join()
     return out[0]
+
+
+def graph_node_seconds(device: torch.device, reps: int = 10, layers: int = 50) -> float:
+    """Seconds per node of a compiled training step made of tiny ops on ``device``: ``layers``
+    repetitions of ``x = tanh(x @ w).t()`` over 4x4 fp32 tensors, summed, its forward and
+    backward captured by AOTAutograd (``torch._functorch.aot_autograd.aot_function``, the graphs
+    run as they are, boxed) and stepped (forward and backward) ``reps`` times after warm-up; the
+    median step over the number of ``call_function`` nodes of the two graphs. The kernels are
+    so small that this is the per-op cost of the path a compiled graph takes: the FX-generated
+    Python, the dispatcher, autograd's node for the graph (the launch itself on a GPU)."""
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+
+    nodes = [0]
+
+    def compiler(gm, example_inputs):
+        nodes[0] += sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    def layers_of(x, ws):
+        for w in ws:
+            x = torch.tanh(x @ w).t()
+        return x.sum()
+
+    ws = [torch.randn(4, 4, device=device, requires_grad=True) for _ in range(layers)]
+    x = torch.randn(4, 4, device=device)
+    step = aot_function(layers_of, fw_compiler=compiler, bw_compiler=compiler)
+    seconds = _timer(device)(lambda: step(x, ws).backward(), reps)
+    return seconds / nodes[0]
+
+
+def copy_overhead_seconds(
+    device: torch.device, h2d_bytes_per_s: float, d2h_bytes_per_s: float, reps: int = 10
+) -> dict[str, float]:
+    """Seconds of one copy's runtime calls beyond its bytes on ``device``, per direction, called
+    through the dispatcher as the rewritten graph calls them, on a 4 KiB parameter; the median
+    over ``reps`` rounds of 50 cycles, less 4 KiB at the direction's bandwidth (bytes/s), per
+    cycle, at least 1 ns:
+
+    * ``"h2d"``: ``trinity::param_fetch`` + ``param_fetch_wait`` + ``param_release`` (the slot
+      and pending-copy bookkeeping, the storage re-allocation and free);
+    * ``"d2h"``: ``trinity::grad_to_host`` + ``grad_to_host_wait`` (accumulated into the host
+      gradient).
+    """
+    from .ir import ops as ir_ops  # noqa: F401  (the trinity::* schemas)
+    from .runtime import param_ops  # noqa: F401  (their kernels)
+    from .runtime.model_state import ensure_slot
+    from .runtime.transfer import TransferRuntime
+
+    runtime = TransferRuntime(device, 1 << 20)
+    param = torch.nn.Parameter(torch.randn(1024, device=device))
+    slot = ensure_slot(param, runtime.pool, keep_resident=False)
+    slot.release(write_back=False)
+    grad = torch.randn(1024, device=device)
+    nbytes = param.numel() * param.element_size()
+    ops = torch.ops.trinity
+    cycles = 50
+
+    def fetch_cycle():
+        for _ in range(cycles):
+            ops.param_fetch(param, slot.id, runtime.id)
+            ops.param_fetch_wait(param, slot.id, runtime.id)
+            ops.param_release(param, slot.id, False, runtime.id)
+
+    def grad_cycle():
+        for _ in range(cycles):
+            ops.grad_to_host(grad, slot.id, runtime.id)
+            ops.grad_to_host_wait(grad, slot.id, runtime.id)
+
+    time_it = _timer(device)
+    h2d = time_it(fetch_cycle, reps) / cycles - nbytes / h2d_bytes_per_s
+    slot.enable_host_grad()  # after the fetches: a host gradient without an optimizer refuses them
+    d2h = time_it(grad_cycle, reps) / cycles - nbytes / d2h_bytes_per_s
+    return {"h2d": max(1e-9, h2d), "d2h": max(1e-9, d2h)}
+
+
+def update_seconds_per_tensor(
+    per_param: float, implementation: str, num_threads: int, reps: int = 3, numel: int = 1 << 18
+) -> float:
+    """Fixed seconds per parameter tensor of one ``CPUOptimizer`` step: ``numel`` fp32 parameters
+    (default 256 Ki) in 128 tensors, less their ``numel * per_param`` (seconds per parameter, as
+    measured on large tensors), over 128; at least 1 ns."""
+    many = host_update_seconds(numel, implementation, num_threads, reps=reps, num_tensors=128)
+    return max(1e-9, (many - numel * per_param) / 128)
 
 
 def stream_triad_bytes_per_s(numel: int = 1 << 25, reps: int = 5, num_threads: int | None = None) -> float:
@@ -224,9 +324,9 @@ def calibrate(device: torch.device | str | None = None, quick: bool = False) -> 
         out["h2d_bytes_per_s"] = nbytes / time_it(lambda: host_pageable.copy_(host_pinned), reps)
         out["d2h_bytes_per_s"] = nbytes / time_it(lambda: host_pinned.copy_(host_pageable), reps)
         out["pageable_factor"] = 1.0
-    one = torch.ones(1, device=dev)
-    launches = 100
-    out["launch_overhead_s"] = time_it(lambda: [one.add_(0) for _ in range(launches)], reps) / launches
+    out["launch_overhead_s"] = graph_node_seconds(dev, reps)
+    overhead = copy_overhead_seconds(dev, out["h2d_bytes_per_s"], out["d2h_bytes_per_s"], reps)
+    out["h2d_overhead_s"], out["d2h_overhead_s"] = overhead["h2d"], overhead["d2h"]
     # The host: memory bandwidth and the optimizer update, per thread count.
     counts = thread_counts()
     triad_numel = 1 << 22 if quick else 1 << 25
@@ -242,6 +342,12 @@ def calibrate(device: torch.device | str | None = None, quick: bool = False) -> 
     out["host_update_params_per_s"] = rates
     out["host_update_seconds_per_param"] = 1 / rates["fused"][counts[-1]]
     out["host_update_loop_seconds_per_param"] = 1 / rates["loop"][counts[-1]]
+    out["host_update_seconds_per_tensor"] = update_seconds_per_tensor(
+        out["host_update_seconds_per_param"], "fastest", counts[-1], reps=2 if quick else 3
+    )
+    out["host_update_loop_seconds_per_tensor"] = update_seconds_per_tensor(
+        out["host_update_loop_seconds_per_param"], "exact", counts[-1], reps=2 if quick else 3
+    )
     out["host_threads"] = counts[-1]
     out["device_name"] = torch.cuda.get_device_name(dev) if cuda else "CPU (host as device)"
     out["torch"] = torch.__version__
@@ -296,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         value = figures[key]
         unit = "FLOP/s" if key.startswith("flops") else "bytes/s" if key.endswith("per_s") else ""
         unit = "s/param" if key.endswith("per_param") else unit
+        unit = "s/tensor" if key.endswith("per_tensor") else "s" if key.endswith("_s") else unit
         print(f"{key:34s} {value:12.4g} {unit}")
     for impl, by in figures["host_update_params_per_s"].items():
         cells = ", ".join(f"{t} threads {r / 1e6:.0f} M params/s" for t, r in by.items())

@@ -93,6 +93,13 @@ class DeviceSpec:
             (``CPUOptimizer``'s default); 0 derives it.
         host_is_device: the device is the host CPU itself (the ``cpu`` entry): the host update
             runs on the cores that run the compute, so it cannot overlap it.
+        h2d_overhead_s, d2h_overhead_s: host seconds of one copy's runtime calls beyond its
+            bytes in that direction (trinity's fetch, wait and release bookkeeping, the storage
+            re-allocation); counted where copies are synchronous (``host_is_device``). 0 unless
+            calibrated (:func:`offload_compiler.calibrate.copy_overhead_seconds`).
+        host_update_seconds_per_tensor: fixed seconds per parameter tensor of the host update
+            with the fused kernel (torch's per-call work); 0 unless calibrated.
+        host_update_loop_seconds_per_tensor: the same with the for-loop; 0 unless calibrated.
     """
 
     name: str
@@ -112,6 +119,25 @@ class DeviceSpec:
     host_update_seconds_per_param: float = 0.0
     host_update_loop_seconds_per_param: float = 0.0
     host_is_device: bool = False
+    h2d_overhead_s: float = 0.0
+    d2h_overhead_s: float = 0.0
+    host_update_seconds_per_tensor: float = 0.0
+    host_update_loop_seconds_per_tensor: float = 0.0
+
+    def host_update_s_per_tensor(self, implementation: str = "fused") -> float:
+        """Fixed seconds per parameter tensor of the host update, ``"fused"`` or ``"loop"``
+        (measured by ``calibrate``; 0 when not calibrated).
+
+        Raises:
+            ValueError: for another ``implementation``.
+        """
+        if implementation not in ("fused", "loop"):
+            raise ValueError(f"implementation must be 'fused' or 'loop', got {implementation!r}")
+        return (
+            self.host_update_seconds_per_tensor
+            if implementation == "fused"
+            else self.host_update_loop_seconds_per_tensor
+        )
 
     def host_update_s_per_param(self, implementation: str = "fused") -> float:
         """Seconds per fp32 parameter of the host AdamW update: ``"fused"`` (torch's fused CPU

@@ -18,6 +18,10 @@ def test_quick_calibration_measures_every_figure(tmp_path):
     assert 1e8 < figures["flops_fp32"] < 1e14
     assert 1e8 < figures["hbm_bytes_per_s"] < 1e12
     assert figures["pageable_factor"] == 1.0
+    # A copy's runtime calls (fetch, wait, release; a gradient's copy and wait) and the host
+    # update's per-tensor work take microseconds, not milliseconds.
+    for key in ("h2d_overhead_s", "d2h_overhead_s", "host_update_seconds_per_tensor"):
+        assert figures[key] < 1e-3, key
 
 
 def test_main_writes_json_the_options_accept(tmp_path):

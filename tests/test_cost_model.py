@@ -155,3 +155,79 @@ def test_apply_overrides():
     )
     # No overrides: the spec itself.
     assert cost_model.apply_overrides(ROUND, TrinityOptions()) is ROUND
+
+
+def sdpa_cpu(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v).sum()
+
+
+def test_cpu_attention_kernel_counts_torchs_sdpa_flops():
+    # torch's registry has the CUDA attention kernels only; on the CPU SDPA runs
+    # _scaled_dot_product_flash_attention_for_cpu (and its backward): b=2, h=3, s=8, d=4 gives
+    # 4*b*h*s*s*d = 6144 FLOPs forward (QK^T and PV, 2 FLOPs per multiply-add) and 2.5x that
+    # (15360: the scores recomputed, then dV, dP, dQ, dK) backward
+    # (torch.utils.flop_counter.sdpa_flop_count / sdpa_backward_flop_count).
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 8, 4, requires_grad=True) for _ in range(3))
+    pair = capture_pair(sdpa_cpu, q, k, v)
+    live = liveness.analyze(pair)
+    costs = cost_model.estimate(pair, live, spec(hbm_bytes_per_s=1e15))
+    nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    got = {n.target: costs.step_flops[i] for i, n in enumerate(nodes) if n.target in (fwd, bwd)}
+    assert got == {fwd: 6144, bwd: 15360}
+    i = next(i for i, n in enumerate(nodes) if n.target == fwd)
+    assert costs.step_seconds[i] == pytest.approx(6144 / 1e9 + US, rel=1e-9)
+
+
+def test_views_cost_a_launch_overhead_only_where_the_host_is_the_device():
+    # tanh_mm's views (detach, t, expand) launch no kernel; on the CPU as the device their
+    # dispatcher calls run on the cores that compute: one launch overhead each. getitem and
+    # placeholders stay free.
+    pair = tanh_mm_pair()
+    live = liveness.analyze(pair)
+    gpu = cost_model.estimate(pair, live, ROUND)
+    host = cost_model.estimate(pair, live, spec(host_is_device=True))
+    nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
+    views = [
+        i
+        for i, n in enumerate(nodes)
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and not gpu.step_bytes[i]
+    ]
+    assert len(views) >= 3
+    for i in views:
+        assert gpu.step_seconds[i] == 0.0, nodes[i].name
+        assert host.step_seconds[i] == pytest.approx(US, rel=1e-12), nodes[i].name
+    assert host.compute_seconds - gpu.compute_seconds == pytest.approx(len(views) * US, rel=1e-9)
+
+
+def test_synchronous_copies_add_the_calibrated_copy_overhead():
+    fields = dict(h2d_bytes_per_s=1e8, d2h_bytes_per_s=2e8, h2d_overhead_s=3e-5, d2h_overhead_s=1e-5)
+    device_copies = cost_model.Costs(device=spec(**fields), step_seconds=(), step_flops=(), step_bytes=())
+    host_copies = cost_model.Costs(
+        device=spec(host_is_device=True, **fields), step_seconds=(), step_flops=(), step_bytes=()
+    )
+    # Copy streams (a GPU): the bytes only; the runtime's calls are host time beside the copy.
+    assert device_copies.transfer_seconds(1000, "h2d") == pytest.approx(1e-5)
+    # The CPU as the device: the copy and its calls on the same cores, one after the other.
+    assert host_copies.transfer_seconds(1000, "h2d") == pytest.approx(1e-5 + 3e-5)
+    assert host_copies.transfer_seconds(1000, "d2h") == pytest.approx(5e-6 + 1e-5)
+    task = host_copies.copy_task(0, "d2h", 1000, 1, 2)
+    assert task.seconds == pytest.approx(1.5e-5) and task.on_compute
+
+
+def test_host_update_seconds_counts_a_fixed_cost_per_tensor():
+    s = spec(host_update_seconds_per_param=2e-9, host_update_seconds_per_tensor=1e-5)
+    model = cost_model.host_update_model(s, "adamw", implementation="fused")
+    assert model.host_seconds_per_tensor == 1e-5
+    # 1000 fp32 parameters (4000 bytes) in 4 tensors: 1000 x 2 ns + 4 x 10 us.
+    assert cost_model.host_update_seconds(4000, model, num_tensors=4) == pytest.approx(2e-6 + 4e-5)
+    assert cost_model.host_update_seconds(4000, model) == pytest.approx(2e-6)
+    # The loop's figure is its own (not calibrated here: 0).
+    loop = cost_model.host_update_model(s, "adamw", implementation="loop")
+    assert loop.host_seconds_per_tensor == 0.0
+    # On the device: bytes only.
+    assert cost_model.host_update_seconds(4000, model, on_device=True, num_tensors=4) == pytest.approx(
+        4000 * model.device_seconds_per_byte
+    )

@@ -4,8 +4,10 @@ Per node (roofline, Williams et al., "Roofline", CACM 2009):
 ``seconds = max(FLOPs / peak FLOP/s, bytes / HBM bytes/s) + launch overhead``, where FLOPs come
 from PyTorch's flop-counter registry (``torch.utils.flop_counter``) applied to ``meta["val"]``,
 and bytes are the bytes of every tensor the node reads plus every tensor it writes. A node whose
-outputs all alias its inputs (views, reshapes, ``detach``, ``getitem``) costs nothing, as do
-placeholders and outputs.
+outputs all alias its inputs (views, reshapes, ``detach``, ``getitem``) launches no kernel and
+costs nothing, as do placeholders and outputs; where the host is the device
+(``DeviceSpec.host_is_device``) an aten view still costs its dispatcher call, one launch overhead.
+FLOPs of the CPU attention kernel, which the registry leaves out, are torch's SDPA counts.
 
 Per transfer: ``seconds = bytes / link bytes/s`` in the copy's direction (pinned host memory).
 
@@ -29,7 +31,7 @@ from typing import Literal
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..devices import DeviceSpec
 from ..graph_pair import GraphPair, hint_int, tensor_vals
@@ -72,8 +74,14 @@ class Costs:
 
     def transfer_seconds(self, nbytes: int, direction: Literal["d2h", "h2d"]) -> float:
         """Seconds to copy ``nbytes`` over the host link in ``direction``; host memory is pinned
-        when ``pinned`` (trinity's host pool is pinned on CUDA), else pageable."""
-        return nbytes / self.device.transfer_bytes_per_s(direction, self.pinned)
+        when ``pinned`` (trinity's host pool is pinned on CUDA), else pageable. Where copies are
+        synchronous (:attr:`synchronous_copies`) the copy's runtime calls are on the same cores:
+        plus the direction's ``DeviceSpec.h2d_overhead_s`` / ``d2h_overhead_s`` (calibrated; 0
+        from the device table)."""
+        fixed = 0.0
+        if self.synchronous_copies:
+            fixed = self.device.h2d_overhead_s if direction == "h2d" else self.device.d2h_overhead_s
+        return nbytes / self.device.transfer_bytes_per_s(direction, self.pinned) + fixed
 
     @property
     def synchronous_copies(self) -> bool:
@@ -144,6 +152,24 @@ def _arg_val(a):
     return a
 
 
+def _shape(v) -> tuple[int, ...]:
+    return tuple(hint_int(d) for d in v.shape)
+
+
+# FLOP formulas of ops that torch's flop-counter registry leaves out (it has the CUDA attention
+# kernels, not the CPU one that SDPA dispatches to on the host): torch's own SDPA counts
+# (torch.utils.flop_counter.sdpa_flop_count / sdpa_backward_flop_count: 4*b*h*s_q*s_k*d forward,
+# 2.5x that backward), applied to the same (query, key, value) arguments.
+_EXTRA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, **kw: sdpa_flop_count(
+        _shape(q), _shape(k), _shape(v)
+    ),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda g, q, k, v, *a, **kw: (
+        sdpa_backward_flop_count(_shape(g), _shape(q), _shape(k), _shape(v))
+    ),
+}
+
+
 def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, int, float]:
     """``(flops, bytes, seconds)`` of one node (see the module docstring)."""
     if node.op != "call_function" or node.target in TRANSFER_OPS:
@@ -154,7 +180,11 @@ def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, i
         return 0, 0, 0.0
     in_storages = {k for t in ins if (k := storage_key(t)) is not None}
     if all((k := storage_key(t)) is not None and k in in_storages for t in outs):
-        return 0, 0, 0.0  # a view: no kernel
+        # A view: no kernel. Where the host is the device its dispatcher call runs on the cores
+        # that compute, one after the other with them: one launch overhead (an aten op; Python's
+        # getitem costs nothing).
+        dispatched = spec.host_is_device and isinstance(node.target, torch._ops.OpOverload)
+        return 0, 0, spec.launch_overhead_s if dispatched else 0.0
     flops = 0
     packet = getattr(node.target, "overloadpacket", None)
     if packet is not None and packet in flop_registry:
@@ -164,6 +194,8 @@ def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, i
             flops = hint_int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
         except Exception:  # a formula that cannot take these arguments: count bytes only
             flops = 0
+    elif packet is not None and packet in _EXTRA_FLOPS:
+        flops = hint_int(_EXTRA_FLOPS[packet](*_arg_val(node.args)))
     nbytes = sum(tensor_span_bytes(t) for t in ins) + sum(tensor_span_bytes(t) for t in outs)
     dtype = outs[0].dtype
     seconds = max(flops / spec.peak_flops(dtype, allow_tf32), nbytes / spec.hbm_bytes_per_s) + spec.launch_overhead_s
@@ -238,6 +270,8 @@ class HostUpdate:
         state_factor: optimizer state tensors per parameter (device bytes of the share kept on
             the device: this many times its parameter bytes).
         description: what was assumed, in words.
+        host_seconds_per_tensor: fixed host seconds per parameter tensor updated (torch's
+            per-call work, measured by ``calibrate``; 0 when not calibrated).
     """
 
     host_seconds_per_byte: float
@@ -247,6 +281,7 @@ class HostUpdate:
     on_compute: bool = False
     state_factor: int = 2
     description: str = ""
+    host_seconds_per_tensor: float = 0.0
 
 
 def host_update_model(
@@ -281,6 +316,7 @@ def host_update_model(
         chunk_bytes=int(chunk_bytes),
         on_compute=spec.host_is_device,
         state_factor=states,
+        host_seconds_per_tensor=spec.host_update_s_per_tensor(implementation),
         description=(
             f"{name} ({implementation}) on the host at {spec.host_bytes_per_s / 1e9:.3g} GB/s"
             + (f", {threads} threads" if threads else "")
@@ -304,7 +340,10 @@ def host_update_from_optimizer(spec: DeviceSpec, optimizer) -> HostUpdate:
     )
 
 
-def host_update_seconds(nbytes: int, model: HostUpdate, on_device: bool = False) -> float:
-    """Seconds of the update of ``nbytes`` of parameters: on the host, or (``on_device``) on the
-    device for a share the plan keeps there."""
-    return nbytes * (model.device_seconds_per_byte if on_device else model.host_seconds_per_byte)
+def host_update_seconds(nbytes: int, model: HostUpdate, on_device: bool = False, num_tensors: int = 0) -> float:
+    """Seconds of the update of ``nbytes`` of parameters in ``num_tensors`` tensors: on the host
+    (bytes x seconds per byte + tensors x the fixed seconds per tensor), or (``on_device``) on
+    the device for a share the plan keeps there (its bytes only)."""
+    if on_device:
+        return nbytes * model.device_seconds_per_byte
+    return nbytes * model.host_seconds_per_byte + num_tensors * model.host_seconds_per_tensor

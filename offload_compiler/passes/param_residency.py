@@ -712,7 +712,7 @@ def update_tasks(
 
     * the offloaded parameters in the order the forward fetches them, in chunks of at least
       ``update.chunk_bytes`` (as ``CPUOptimizer`` makes them from ``model.parameters()``); each
-      chunk's task lasts :func:`~.cost_model.host_update_seconds` of its bytes, becomes ready at
+      chunk's task lasts :func:`~.cost_model.host_update_seconds` of its bytes and tensors, becomes ready at
       ``step()`` (position ``num_steps``) or, with ``overlap="backward"``, where its last
       gradient's copy is issued, starts after its gradients' copies (``grad_copy``: placeholder
       name -> copy id) and is waited for at the chunk's first forward fetch of the next step;
@@ -753,7 +753,7 @@ def update_tasks(
         tasks.append(
             UpdateTask(
                 first_id + len(tasks),
-                host_update_seconds(sum(p.nbytes for p in chunk), update),
+                host_update_seconds(sum(p.nbytes for p in chunk), update, num_tensors=len(chunk)),
                 ready,
                 after,
                 min(first_fetch(p) for p in chunk),
