@@ -13,8 +13,9 @@
   wrapper; views count as nodes (the cost model charges them where the host is the device);
 * copy overhead: the time of one trinity copy's runtime calls beyond its bytes, per direction (a
   parameter's fetch, wait and release; a gradient's copy and wait) through the dispatcher
-  (slot and pending-copy bookkeeping, the storage re-allocation); the cost model counts it
-  where copies are synchronous (the CPU as the device);
+  (slot and pending-copy bookkeeping, the storage re-allocation); measured, and counted by the
+  cost model, only where copies are synchronous (the CPU as the device: on a GPU the calls run
+  on the host beside the copy streams);
 * the host update's fixed cost per parameter tensor: ``CPUOptimizer`` stepping many small
   tensors against few large ones of the same total (the per-call work of torch's optimizer and of
   the worker's bookkeeping);
@@ -282,7 +283,7 @@ def calibrate(device: torch.device | str | None = None, quick: bool = False) -> 
         quick: smaller problems and fewer repetitions (for tests).
 
     Returns:
-        A dict with :data:`CALIBRATION_FIELDS` (FLOP/s, bytes/s, seconds) plus ``device_name``,
+        A dict with :data:`CALIBRATION_FIELDS` (FLOP/s, bytes/s, seconds; the copy overheads only on the CPU) plus ``device_name``,
         ``torch`` and ``method``.
     """
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -325,8 +326,9 @@ def calibrate(device: torch.device | str | None = None, quick: bool = False) -> 
         out["d2h_bytes_per_s"] = nbytes / time_it(lambda: host_pinned.copy_(host_pageable), reps)
         out["pageable_factor"] = 1.0
     out["launch_overhead_s"] = graph_node_seconds(dev, reps)
-    overhead = copy_overhead_seconds(dev, out["h2d_bytes_per_s"], out["d2h_bytes_per_s"], reps)
-    out["h2d_overhead_s"], out["d2h_overhead_s"] = overhead["h2d"], overhead["d2h"]
+    if not cuda:  # only synchronous copies (the CPU as the device) count their runtime calls
+        overhead = copy_overhead_seconds(dev, out["h2d_bytes_per_s"], out["d2h_bytes_per_s"], reps)
+        out["h2d_overhead_s"], out["d2h_overhead_s"] = overhead["h2d"], overhead["d2h"]
     # The host: memory bandwidth and the optimizer update, per thread count.
     counts = thread_counts()
     triad_numel = 1 << 22 if quick else 1 << 25
@@ -398,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         return _collectives_main(args)
     figures = calibrate(args.device, quick=args.quick)
     Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
-    for key in CALIBRATION_FIELDS:
+    for key in (k for k in CALIBRATION_FIELDS if k in figures):
         value = figures[key]
         unit = "FLOP/s" if key.startswith("flops") else "bytes/s" if key.endswith("per_s") else ""
         unit = "s/param" if key.endswith("per_param") else unit

@@ -110,7 +110,9 @@ def test_calibrate_on_cuda():
     from offload_compiler.calibrate import CALIBRATION_FIELDS, calibrate
 
     figures = calibrate("cuda", quick=True)
-    assert all(figures[k] > 0 for k in CALIBRATION_FIELDS)
+    cpu_only = ("h2d_overhead_s", "d2h_overhead_s")  # synchronous copies' runtime calls
+    assert all(figures[k] > 0 for k in CALIBRATION_FIELDS if k not in cpu_only)
+    assert not any(k in figures for k in cpu_only)
     assert figures["h2d_bytes_per_s"] > 1e9 and figures["flops_bf16"] > 1e12
 
 
