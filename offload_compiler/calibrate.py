@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import threading
@@ -376,8 +377,8 @@ def load_calibration(path: str | Path) -> dict[str, float]:
     for key in CALIBRATION_FIELDS:
         if key in data:
             value = data[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"calibration file {str(p)!r}: {key} = {value!r} is not a positive number")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"calibration file {str(p)!r}: {key} = {value!r} is not a positive finite number")
             figures[key] = float(value)
     if not figures:
         raise ValueError(f"calibration file {str(p)!r} holds none of {', '.join(CALIBRATION_FIELDS)}")
@@ -404,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         value = figures[key]
         unit = "FLOP/s" if key.startswith("flops") else "bytes/s" if key.endswith("per_s") else ""
         unit = "s/param" if key.endswith("per_param") else unit
-        unit = "s/tensor" if key.endswith("per_tensor") else "s" if key.endswith("_s") else unit
+        unit = "s/tensor" if key.endswith("per_tensor") else unit
+        unit = "s" if key.endswith("overhead_s") else unit
         print(f"{key:34s} {value:12.4g} {unit}")
     for impl, by in figures["host_update_params_per_s"].items():
         cells = ", ".join(f"{t} threads {r / 1e6:.0f} M params/s" for t, r in by.items())

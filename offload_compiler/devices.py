@@ -79,7 +79,9 @@ class DeviceSpec:
         h2d_bytes_per_s: pinned host-to-device copy bandwidth, bytes/s.
         d2h_bytes_per_s: pinned device-to-host copy bandwidth, bytes/s.
         pcie_gen, pcie_width: host link (0 when not PCIe, e.g. the CPU host entry).
-        launch_overhead_s: fixed cost per kernel, seconds.
+        launch_overhead_s: fixed cost per kernel, seconds; where the host is the device also per aten
+            view (its dispatcher call). ``calibrate`` measures it per node of a compiled graph of
+            tiny ops (a file written before 2026-12-04 holds a one-element add's time instead).
         pageable_factor: bandwidth of a copy from or to pageable (not pinned) host memory, as a
             fraction of the pinned figure. 0.5 after NVIDIA's measurements of staged pageable
             copies (M. Harris, "How to Optimize Data Transfers in CUDA C/C++", NVIDIA blog, 2012);
@@ -95,8 +97,10 @@ class DeviceSpec:
             runs on the cores that run the compute, so it cannot overlap it.
         h2d_overhead_s, d2h_overhead_s: host seconds of one copy's runtime calls beyond its
             bytes in that direction (trinity's fetch, wait and release bookkeeping, the storage
-            re-allocation); counted where copies are synchronous (``host_is_device``). 0 unless
-            calibrated (:func:`offload_compiler.calibrate.copy_overhead_seconds`).
+            re-allocation); counted where copies are synchronous (``host_is_device``), for the
+            activation copies (evict, prefetch) too, whose runtime calls are of the same kind but
+            not measured on their own. 0 unless calibrated
+            (:func:`offload_compiler.calibrate.copy_overhead_seconds`).
         host_update_seconds_per_tensor: fixed seconds per parameter tensor of the host update
             with the fused kernel (torch's per-call work); 0 unless calibrated.
         host_update_loop_seconds_per_tensor: the same with the for-loop; 0 unless calibrated.

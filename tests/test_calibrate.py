@@ -24,9 +24,12 @@ def test_quick_calibration_measures_every_figure(tmp_path):
         assert figures[key] < 1e-3, key
 
 
-def test_main_writes_json_the_options_accept(tmp_path):
+def test_main_writes_json_the_options_accept(tmp_path, capsys):
     out = tmp_path / "calib.json"
     assert main(["--out", str(out), "--device", "cpu", "--quick"]) == 0
+    units = {line.split()[0]: line.split()[-1] for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert units["h2d_bytes_per_s"] == "bytes/s" and units["hbm_bytes_per_s"] == "bytes/s"
+    assert units["h2d_overhead_s"] == "s" and units["host_update_seconds_per_tensor"] == "s/tensor"
     data = json.loads(out.read_text())
     opts = TrinityOptions.from_user({"calibration": str(out), "h2d_bytes_per_s": 1e9}, env={})
     spec = apply_overrides(KNOWN_DEVICES["a100-80gb"], opts)
@@ -47,8 +50,12 @@ def test_bad_calibration_files_are_rejected(tmp_path):
         load_calibration(bad)
     neg = tmp_path / "neg.json"
     neg.write_text(json.dumps({"flops_fp32": -1}))
-    with pytest.raises(ValueError, match="flops_fp32 = -1 is not a positive number"):
+    with pytest.raises(ValueError, match="flops_fp32 = -1 is not a positive finite number"):
         load_calibration(neg)
+    inf = tmp_path / "inf.json"
+    inf.write_text('{"h2d_overhead_s": Infinity}')  # Python's json writes and reads it
+    with pytest.raises(ValueError, match="h2d_overhead_s = inf is not a positive finite number"):
+        load_calibration(inf)
     empty = tmp_path / "empty.json"
     empty.write_text("{}")
     with pytest.raises(ValueError, match="holds none of"):
