@@ -167,6 +167,20 @@ class DeviceSpec:
         bw = self.h2d_bytes_per_s if direction == "h2d" else self.d2h_bytes_per_s
         return bw if pinned else bw * self.pageable_factor
 
+    def copy_seconds(self, nbytes: int, direction: str, pinned: bool = True) -> float:
+        """Seconds of one copy of ``nbytes`` bytes in ``direction`` (``"h2d"``/``"d2h"``): the
+        bytes at :meth:`transfer_bytes_per_s`, plus, where copies are synchronous
+        (``host_is_device``), the direction's runtime-call overhead (``h2d_overhead_s`` /
+        ``d2h_overhead_s``). The one copy formula of the cost model and the stream pass.
+
+        Raises:
+            ValueError: for another ``direction``.
+        """
+        seconds = nbytes / self.transfer_bytes_per_s(direction, pinned)
+        if self.host_is_device:
+            seconds += self.h2d_overhead_s if direction == "h2d" else self.d2h_overhead_s
+        return seconds
+
     def peak_flops(self, dtype: torch.dtype, allow_tf32: bool = False) -> float:
         """Peak FLOP/s for a matmul-like op in ``dtype``."""
         if dtype in (torch.bfloat16, torch.float16):

@@ -106,15 +106,14 @@ def _eligible(node: fx.Node, access: GraphAccess, evicted: frozenset = frozenset
 
 def graph_seconds(gm: fx.GraphModule, spec, pinned: bool = True) -> tuple[dict, dict]:
     """Per-node compute seconds (the cost model's roofline, :func:`cost_model.node_cost`) and
-    per-copy seconds (``evict``/``prefetch`` nodes: :meth:`.cost_model.Costs.transfer_seconds`,
-    bytes over the host link) of ``gm``. Where
+    per-copy seconds (``evict``/``prefetch`` nodes: ``DeviceSpec.copy_seconds``, the cost
+    model's copy formula) of ``gm``. Where
     the device is the host CPU (``spec.host_is_device``: synchronous copies, see
     :attr:`.cost_model.Costs.synchronous_copies`) a copy's seconds are its node's own, on its
     stream, and its channel time is 0."""
-    from .cost_model import Costs, node_cost
+    from .cost_model import node_cost
 
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
-    link = Costs(device=spec, step_seconds=(), step_flops=(), step_bytes=(), pinned=pinned)  # the copy formula
     seconds, copies = {}, {}
     for n in gm.graph.nodes:
         seconds[n] = node_cost(n, spec, allow_tf32)[2]
@@ -122,7 +121,7 @@ def graph_seconds(gm: fx.GraphModule, spec, pinned: bool = True) -> tuple[dict, 
             val = n.meta["val"]
             nbytes = tensor_span_bytes(val)
             direction = "d2h" if n.target is EVICT else "h2d"
-            copies[n] = link.transfer_seconds(nbytes, direction)
+            copies[n] = spec.copy_seconds(nbytes, direction, pinned)
             if spec.host_is_device:
                 seconds[n], copies[n] = seconds[n] + copies[n], 0.0
     return seconds, copies

@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry
 
 from ..devices import DeviceSpec
 from ..graph_pair import GraphPair, hint_int, tensor_vals
@@ -78,10 +78,7 @@ class Costs:
         synchronous (:attr:`synchronous_copies`) the copy's runtime calls are on the same cores:
         plus the direction's ``DeviceSpec.h2d_overhead_s`` / ``d2h_overhead_s`` (calibrated; 0
         from the device table)."""
-        fixed = 0.0
-        if self.synchronous_copies:
-            fixed = self.device.h2d_overhead_s if direction == "h2d" else self.device.d2h_overhead_s
-        return nbytes / self.device.transfer_bytes_per_s(direction, self.pinned) + fixed
+        return self.device.copy_seconds(nbytes, direction, self.pinned)
 
     @property
     def synchronous_copies(self) -> bool:
@@ -152,20 +149,14 @@ def _arg_val(a):
     return a
 
 
-def _shape(v) -> tuple[int, ...]:
-    return tuple(hint_int(d) for d in v.shape)
-
-
-# FLOP formulas of ops that torch's flop-counter registry leaves out (it has the CUDA attention
-# kernels, not the CPU one that SDPA dispatches to on the host): torch's own SDPA counts
-# (torch.utils.flop_counter.sdpa_flop_count / sdpa_backward_flop_count: 4*b*h*s_q*s_k*d forward,
-# 2.5x that backward), applied to the same (query, key, value) arguments.
-_EXTRA_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, **kw: sdpa_flop_count(
-        _shape(q), _shape(k), _shape(v)
-    ),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda g, q, k, v, *a, **kw: (
-        sdpa_backward_flop_count(_shape(g), _shape(q), _shape(k), _shape(v))
+# The CPU attention kernels, which torch's flop-counter registry leaves out, take the same
+# leading ``(grad_out,) query, key, value`` arguments as the flash kernels it counts: those
+# kernels' registered formulas (torch's SDPA counts, 4*b*h*s_q*s_k*d forward, 2.5x that backward)
+# apply to them.
+_FLOP_ALIASES = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        torch.ops.aten._scaled_dot_product_flash_attention_backward
     ),
 }
 
@@ -187,6 +178,7 @@ def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, i
         return 0, 0, spec.launch_overhead_s if dispatched else 0.0
     flops = 0
     packet = getattr(node.target, "overloadpacket", None)
+    packet = _FLOP_ALIASES.get(packet, packet)
     if packet is not None and packet in flop_registry:
         try:
             args = _arg_val(node.args)
@@ -194,8 +186,6 @@ def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, i
             flops = hint_int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
         except Exception:  # a formula that cannot take these arguments: count bytes only
             flops = 0
-    elif packet is not None and packet in _EXTRA_FLOPS:
-        flops = hint_int(_EXTRA_FLOPS[packet](*_arg_val(node.args)))
     nbytes = sum(tensor_span_bytes(t) for t in ins) + sum(tensor_span_bytes(t) for t in outs)
     dtype = outs[0].dtype
     seconds = max(flops / spec.peak_flops(dtype, allow_tf32), nbytes / spec.hbm_bytes_per_s) + spec.launch_overhead_s
