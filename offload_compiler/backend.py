@@ -274,6 +274,8 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
 
+        from .frame_headroom import with_headroom
+
         extra = {}
         if session.param_slots:
             from .param_offload import rewrite_inference
@@ -284,15 +286,16 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
                     session.residency_plans.append(plan)
                 return boxed_nop(gm, inputs)
 
-            extra["inference_compiler"] = inference_compiler
-        inner = boxed_nop
+            extra["inference_compiler"] = with_headroom(inference_compiler)
+        # The graphs' generated code runs with headroom on CPython's data stack (frame_headroom.py).
+        inner = with_headroom(boxed_nop)
         if faults is not None and opts.compute_streams > 1:
             # Test mode: multi-stream graphs run under the interleaving executor.
             from .testing.interleave import interleaved_compiler
 
             inner = interleaved_compiler(opts.fault_injection)
         elif opts.compute_streams > 1:
-            inner = _stream_safe(boxed_nop, runtime)
+            inner = _stream_safe(with_headroom(boxed_nop), runtime)
         backend = aot_autograd(
             fw_compiler=inner,
             bw_compiler=inner,

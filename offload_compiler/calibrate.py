@@ -114,17 +114,22 @@ def graph_node_seconds(device: torch.device, reps: int = 10, layers: int = 50) -
     """Seconds per node of a compiled training step made of tiny ops on ``device``: ``layers``
     repetitions of ``x = tanh(x @ w).t()`` over 4x4 fp32 tensors, summed, its forward and
     backward captured by AOTAutograd (``torch._functorch.aot_autograd.aot_function``, the graphs
-    run as they are, boxed) and stepped (forward and backward) ``reps`` times after warm-up; the
+    run as they are, boxed, with the data-stack headroom trinity gives its graphs,
+    :mod:`offload_compiler.frame_headroom`) and stepped (forward and backward) ``reps`` times after warm-up; the
     median step over the number of ``call_function`` nodes of the two graphs. The kernels are
     so small that this is the per-op cost of the path a compiled graph takes: the FX-generated
     Python, the dispatcher, autograd's node for the graph (the launch itself on a GPU)."""
     from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
+    from .frame_headroom import add_headroom
+
     nodes = [0]
 
     def compiler(gm, example_inputs):
         nodes[0] += sum(1 for n in gm.graph.nodes if n.op == "call_function")
-        return make_boxed_func(gm.forward)
+        run = make_boxed_func(gm.forward)
+        add_headroom(gm)
+        return run
 
     def layers_of(x, ws):
         for w in ws:
