@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -104,6 +105,10 @@ class DeviceSpec:
         host_update_seconds_per_tensor: fixed seconds per parameter tensor of the host update
             with the fused kernel (torch's per-call work); 0 unless calibrated.
         host_update_loop_seconds_per_tensor: the same with the for-loop; 0 unless calibrated.
+        op_times: measured seconds per aten call on this machine
+            (:class:`offload_compiler.passes.op_timing.OpTimes`, with ``op_times="measured"``);
+            the cost model uses them instead of the roofline where they have the node's call.
+            ``None``: the roofline everywhere. Not compared or hashed.
     """
 
     name: str
@@ -127,6 +132,7 @@ class DeviceSpec:
     d2h_overhead_s: float = 0.0
     host_update_seconds_per_tensor: float = 0.0
     host_update_loop_seconds_per_tensor: float = 0.0
+    op_times: Any = field(default=None, compare=False, repr=False)
 
     def host_update_s_per_tensor(self, implementation: str = "fused") -> float:
         """Fixed seconds per parameter tensor of the host update, ``"fused"`` or ``"loop"``

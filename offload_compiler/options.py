@@ -269,6 +269,11 @@ class TrinityOptions:
             copies). With parameter offload (``offload`` other than ``"activations"``) saved
             activations are kept or offloaded (``"auto"`` means ``"offload"`` there;
             ``"recompute"`` is refused).
+        op_times: how the cost model times a node: ``"roofline"`` (the default: FLOPs and bytes
+            against the device's figures, ``passes/cost_model.py``) or ``"measured"`` (each
+            distinct aten call of the graphs timed on this machine at compile time, with inputs of
+            the graph's shapes, ``passes/op_timing.py``; the roofline for what is not measured).
+            ``"measured"`` times this machine, so it is refused with a table ``device``.
     """
 
     memory_budget: MemoryBudget = field(default_factory=lambda: MemoryBudget("auto"))
@@ -295,6 +300,7 @@ class TrinityOptions:
     num_streams: int | None = None
     runtime_check: Literal["replan", "measure", "off"] = "replan"
     strategy: Literal["auto", "offload", "recompute"] = "auto"
+    op_times: Literal["roofline", "measured"] = "roofline"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -356,6 +362,12 @@ class TrinityOptions:
                 f"trinity option 'strategy': 'recompute' is not combined with offload={opts.offload!r} yet "
                 "(with parameter offload saved activations are kept or offloaded); use strategy='auto' or "
                 "'offload', or offload='activations'" + sources("strategy", "offload")
+            )
+        if opts.op_times == "measured" and opts.device is not None:
+            raise ValueError(
+                f"trinity option 'op_times': 'measured' times the ops on this machine, so it cannot plan for the "
+                f"table device {opts.device!r}; use op_times='roofline' with device={opts.device!r}, or leave "
+                "device unset" + sources("op_times", "device")
             )
         if opts.optimizer_on_device != 0.0 and opts.offload != "all":
             raise ValueError(
@@ -444,6 +456,10 @@ def _validate(name: str, value: Any, where: str) -> Any:
     if name == "strategy":
         if value not in _STRATEGY:
             raise bad("one of " + ", ".join(repr(v) for v in _STRATEGY))
+        return value
+    if name == "op_times":
+        if value not in ("roofline", "measured"):
+            raise bad("'roofline' or 'measured'")
         return value
     if name == "on_infeasible":
         if value not in _ON_INFEASIBLE:

@@ -52,6 +52,7 @@ from .passes import (
     insert_recompute,
     insert_transfers,
     liveness,
+    op_timing,
     pair_timeline,
     param_residency,
     plan_recompute,
@@ -352,8 +353,25 @@ def analyze_pair(
     live = liveness.analyze(pair, assume_fusion=options.inner == "inductor", margins=margins)
     t1 = time.perf_counter()
     spec = cost_model.apply_overrides(spec or detect_device_spec(torch.device(live.device), options.device), options)
+    seconds = [("liveness", t1 - t0)]
+    if options.op_times == "measured":
+        spec = replace(spec, op_times=measured_op_times(pair, live.device, spec.host_is_device))
+        seconds.append(("op_timing", time.perf_counter() - t1))
+    t2 = time.perf_counter()
     costs = cost_model.estimate(pair, live, spec)
-    return PairAnalysis(live, costs, (("liveness", t1 - t0), ("cost_model", time.perf_counter() - t1)))
+    return PairAnalysis(live, costs, (*seconds, ("cost_model", time.perf_counter() - t2)))
+
+
+def measured_op_times(pair: GraphPair, device: str, host_is_device: bool) -> op_timing.OpTimes:
+    """The measured times of ``pair``'s aten calls on ``device`` (:func:`.passes.op_timing.measure`),
+    kept in ``pair.forward.meta["trinity_op_times"]`` so that a later analysis of the same graphs
+    (a replan, the rewritten graphs' recomputed and moved calls) measures only calls it has not
+    timed. Reads and writes that meta key."""
+    known = pair.forward.meta.get("trinity_op_times")
+    nodes = [*pair.forward.graph.nodes, *pair.backward.graph.nodes]
+    times = op_timing.measure(nodes, device, host_is_device=host_is_device, known=known)
+    pair.forward.meta["trinity_op_times"] = times
+    return times
 
 
 def plan_pair(

@@ -84,6 +84,8 @@ class TrinityReport:
         dump_dir: where this pair's dumps are (``None`` without ``dump_dir``).
         runtime_id: id of the pair's transfer runtime.
         device_name: the device figures the cost model used.
+        op_times: how the cost model timed the nodes: ``"roofline"``, or (``op_times="measured"``)
+            ``"measured: N calls on DEVICE (M calls left to the roofline)"``.
         size_bounds: with dynamic shapes and a budget, ``(size symbol, largest size)`` pairs the
             plan is guarded to (a larger size recompiles and plans again); empty otherwise.
         param_offload: with ``offload`` other than ``"activations"``: the mode, parameters
@@ -178,6 +180,7 @@ class TrinityReport:
     correction: MeasuredCorrection | None = None
     strategy: str = "auto"
     recompute: dict | None = None
+    op_times: str = "roofline"
     decisions: tuple[tuple[str, int, str], ...] = ()
     fits_without_plan: bool = False
     peak_step_planned: int | None = None
@@ -234,6 +237,7 @@ class TrinityReport:
             dump_dir=dump_dir,
             runtime_id=runtime_id,
             device_name=plan.costs.device.name,
+            op_times=_op_times_text(plan.costs.device.op_times),
             size_bounds=size_bounds,
             peak_step_planned=act.peak_step_planned,
             reuse_count=plan.model_state.reuse_count,
@@ -294,7 +298,8 @@ class TrinityReport:
     def summary(self) -> str:
         """A few human-readable lines."""
         lines = [
-            f"trinity graph {self.graph_id} on {self.device} (inner={self.inner}, figures: {self.device_name})",
+            f"trinity graph {self.graph_id} on {self.device} (inner={self.inner}, figures: {self.device_name}; "
+            f"node times: {self.op_times})",
             f"  budget     {self.budget_request} -> {format_bytes(self.budget_bytes)}",
             f"  peak       {format_bytes(self.peak_bytes_unplanned)} unplanned -> "
             f"{format_bytes(self.peak_bytes_planned)} planned (lowest reachable "
@@ -488,3 +493,10 @@ def last_report() -> TrinityReport | None:
 def reports() -> tuple[TrinityReport, ...]:
     """Every report of this process, oldest first."""
     return _LOG.all()
+
+
+def _op_times_text(times) -> str:
+    """The report's ``op_times`` line for a spec's :class:`~.passes.op_timing.OpTimes` (or ``None``)."""
+    if times is None:
+        return "roofline"
+    return f"measured: {len(times)} calls on {times.device} ({len(times.skipped)} calls left to the roofline)"

@@ -36,6 +36,7 @@ EXPECTED_ALLOWED = sorted(
         "num_streams",
         "runtime_check",
         "strategy",
+        "op_times",
         "peak_flops",
         "hbm_bytes_per_s",
         "h2d_bytes_per_s",
@@ -88,6 +89,7 @@ def test_defaults():
     assert opts.device_memory_bytes is None
     assert opts.inductor_config == ()
     assert opts.strategy == "auto"
+    assert opts.op_times == "roofline"
     assert build(None) == opts
     assert_round_trips(opts)
 
@@ -357,6 +359,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "host_bytes_per_s": 6e10,
         "optimizer_on_device": "auto",
         "strategy": "offload",
+        "op_times": "roofline",
     }
     opts = build(options)
     assert opts.to_dict() == {
@@ -384,6 +387,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "host_bytes_per_s": 6e10,
         "optimizer_on_device": "auto",
         "strategy": "offload",
+        "op_times": "roofline",
     }
     assert_round_trips(opts)
 
@@ -716,6 +720,22 @@ def test_optimizer_on_device_needs_offload_all():
     assert build({"optimizer_on_device": 0.0}).optimizer_on_device == 0.0
     env = build({"offload": "all", "inner": "eager"}, env={"TRINITY_OPTIMIZER_ON_DEVICE": "auto"})
     assert env.optimizer_on_device == "auto"
+
+
+def test_op_times_forms_and_errors():
+    assert build({"op_times": "measured"}).op_times == "measured"
+    assert build(env={"TRINITY_OP_TIMES": "measured"}).op_times == "measured"
+    assert_round_trips(build({"op_times": "measured"}))
+    for bad in ("profile", "", None, 1, True):
+        with pytest.raises(ValueError, match=r"'op_times'.*'roofline' or 'measured'") as info:
+            build({"op_times": bad})
+        assert repr(bad) in str(info.value)
+    # Measured times are this machine's: they cannot stand for a table device's.
+    with pytest.raises(
+        ValueError,
+        match=r"cannot plan for the table device 'h100-sxm'.*\(op_times from options; device from TRINITY_DEVICE\)",
+    ):
+        build({"op_times": "measured"}, env={"TRINITY_DEVICE": "h100-sxm"})
 
 
 def test_runtime_check_forms_and_errors():

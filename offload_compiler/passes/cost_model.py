@@ -9,6 +9,10 @@ costs nothing, as do placeholders and outputs; where the host is the device
 (``DeviceSpec.host_is_device``) an aten view still costs its dispatcher call, one launch overhead.
 FLOPs of the CPU attention kernel, which the registry leaves out, are torch's SDPA counts.
 
+With measured op times (``op_times="measured"``, ``DeviceSpec.op_times``,
+:mod:`.op_timing`) a node whose call was measured takes its measured seconds per call instead
+(FLOPs and bytes are still counted for the report).
+
 Per transfer: ``seconds = bytes / link bytes/s`` in the copy's direction (pinned host memory).
 
 Per optimizer update (``offload="all"``, :class:`HostUpdate`): a memory-bound pass over the
@@ -169,8 +173,11 @@ def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, i
     ins = [t for m in node.all_input_nodes for t in tensor_vals(m)]
     if not outs:
         return 0, 0, 0.0
+    measured = spec.op_times.seconds_of(node) if spec.op_times is not None else None
     in_storages = {k for t in ins if (k := storage_key(t)) is not None}
     if all((k := storage_key(t)) is not None and k in in_storages for t in outs):
+        if measured is not None:
+            return 0, 0, measured
         # A view: no kernel. Where the host is the device its dispatcher call runs on the cores
         # that compute, one after the other with them: one launch overhead (an aten op; Python's
         # getitem costs nothing).
@@ -187,6 +194,8 @@ def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, i
         except Exception:  # a formula that cannot take these arguments: count bytes only
             flops = 0
     nbytes = sum(tensor_span_bytes(t) for t in ins) + sum(tensor_span_bytes(t) for t in outs)
+    if measured is not None:
+        return flops, nbytes, measured
     dtype = outs[0].dtype
     seconds = max(flops / spec.peak_flops(dtype, allow_tf32), nbytes / spec.hbm_bytes_per_s) + spec.launch_overhead_s
     return flops, nbytes, seconds

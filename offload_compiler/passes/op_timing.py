@@ -1,0 +1,252 @@
+"""Measured op times: each distinct aten call of a graph pair, timed on the machine it will run on.
+
+The cost model's roofline (:mod:`.cost_model`) times a node from its FLOPs and bytes against the
+device's peak figures. That misses what the kernels really do at the graph's shapes: a GELU or
+an attention kernel on the CPU runs several times slower than its bytes at the memory bandwidth,
+small ops cost their dispatcher call, a matmul's efficiency depends on its shape. With
+``op_times="measured"`` the backend times each distinct call instead (same op, same argument
+shapes, strides and dtypes, same non-tensor arguments) on the device, with inputs of those
+layouts, and the cost model uses the measured seconds per call wherever it has them (the roofline
+elsewhere). This is the profile-guided cost model of Alpa and FlexFlow (per-operator
+measurements on the target device) applied to aten calls.
+
+Method (:func:`measure`): per distinct call, real inputs of the fake values' sizes, strides,
+storage offsets and dtypes (floats from a normal distribution, integer and bool tensors zero, so
+indices are valid), one warm-up call, then batches of calls timed with ``time.perf_counter``
+(the device synchronized around each batch), each batch at least ``min_batch_seconds`` long;
+the per-call figure is the median over ``batches`` batches. The graphs run their ops back to back
+the same way, so the figure counts the call's Python and dispatcher work as well as its kernel.
+
+Not measured (the roofline times them): ops outside the ``aten`` namespace (trinity's copies are
+timed by the copy formula, collectives by the communication model), ops whose output shape
+depends on the data (torch's ``data_dependent_output`` / ``dynamic_output_shape`` tags), calls
+with an argument the method cannot build (a tensor subclass, a symbolic size without a hint), and
+a call that raises on the built inputs. Views are measured only where the host is the device
+(elsewhere their dispatch overlaps the device's work and the roofline's 0 stands).
+
+Reads ``node.meta["val"]``; writes nothing (the times are returned, the caller keeps them).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..ir.alias import hint_int
+
+__all__ = ["OpTimes", "TimingKey", "timing_key", "measure"]
+
+TimingKey = tuple
+"""``(op name, argument structure)``: tensors as ``("T", sizes, strides, storage offset, dtype,
+device type)``, other values as their ``repr``, nested lists as tuples."""
+
+_SKIP_TAGS = tuple(
+    getattr(torch.Tag, t) for t in ("data_dependent_output", "dynamic_output_shape") if hasattr(torch.Tag, t)
+)
+
+
+@dataclass(frozen=True, eq=False)
+class OpTimes:
+    """Measured seconds per call of distinct aten calls (see the module docstring).
+
+    Attributes:
+        seconds: :data:`TimingKey` -> seconds per call (read-only mapping).
+        device: the device they were measured on (``"cpu"``, ``"cuda:0"``).
+        threads: torch's intra-op threads when measured (``torch.get_num_threads()``).
+        skipped: ``(op name, why)`` of the calls not measured (the roofline times them).
+    """
+
+    seconds: Mapping[TimingKey, float] = field(default_factory=lambda: MappingProxyType({}))
+    device: str = "cpu"
+    threads: int = 1
+    skipped: tuple[tuple[str, str], ...] = ()
+
+    def seconds_of(self, node: fx.Node) -> float | None:
+        """The measured seconds per call of ``node``'s call, or ``None`` where it was not
+        measured."""
+        key = timing_key(node)
+        return None if key is None else self.seconds.get(key)
+
+    def merged(self, other: OpTimes) -> OpTimes:
+        """These times and ``other``'s (``other`` wins where both have a key)."""
+        return OpTimes(
+            MappingProxyType({**self.seconds, **other.seconds}),
+            other.device,
+            other.threads,
+            tuple(dict.fromkeys(self.skipped + other.skipped)),
+        )
+
+    def __len__(self) -> int:
+        return len(self.seconds)
+
+
+def _arg_key(value) -> Any:
+    if isinstance(value, fx.Node):
+        value = value.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return (
+                "T",
+                tuple(hint_int(s) for s in value.shape),
+                tuple(hint_int(s) for s in value.stride()),
+                hint_int(value.storage_offset()),
+                str(value.dtype),
+                value.device.type,
+            )
+        return ("V", repr(value if not isinstance(value, torch.SymInt) else hint_int(value)))
+    if isinstance(value, (list, tuple)):
+        return tuple(_arg_key(v) for v in value)
+    if isinstance(value, torch.SymInt):
+        return hint_int(value)
+    return repr(value)
+
+
+def timing_key(node: fx.Node) -> TimingKey | None:
+    """The :data:`TimingKey` of an aten ``call_function`` node (``None`` for anything else)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target.namespace != "aten":
+        return None
+    try:
+        return (
+            target._schema.name + "." + target._overloadname,
+            _arg_key(tuple(node.args)),
+            tuple(sorted((k, _arg_key(v)) for k, v in node.kwargs.items())),
+        )
+    except Exception:  # a value without a hint: not measured
+        return None
+
+
+def _real(val: torch.Tensor, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """A tensor with ``val``'s sizes, strides, storage offset and dtype on ``device``."""
+    if type(val) not in (torch.Tensor,) and not isinstance(val, torch._subclasses.FakeTensor):
+        raise TypeError(f"a {type(val).__name__} is not built")
+    size = tuple(hint_int(s) for s in val.shape)
+    stride = tuple(hint_int(s) for s in val.stride())
+    offset = hint_int(val.storage_offset())
+    extent = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride) if n > 0)
+    if any(n == 0 for n in size):
+        extent = offset
+    if val.dtype.is_floating_point or val.dtype.is_complex:
+        base = torch.randn(max(extent, 1), generator=gen, dtype=torch.float32).to(val.dtype)
+    else:
+        base = torch.zeros(max(extent, 1), dtype=val.dtype)
+    base = base.to(device)
+    t = base.as_strided(size, stride, offset)
+    return t.requires_grad_(False)
+
+
+def _build(value, device, gen):
+    if isinstance(value, fx.Node):
+        v = value.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return _real(v, device, gen)
+        if isinstance(v, torch.SymInt):
+            return hint_int(v)
+        if isinstance(v, (int, float, bool)) or v is None:
+            return v
+        raise TypeError(f"argument {value.name} has no tensor or number value")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_build(v, device, gen) for v in value)
+    if isinstance(value, torch.SymInt):
+        return hint_int(value)
+    return value
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_call(fn, device: torch.device, batches: int, min_batch_seconds: float) -> float:
+    """Median seconds per call of ``fn`` (after one warm-up call)."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    one = max(time.perf_counter() - t0, 1e-7)
+    calls = max(1, min(10_000, int(min_batch_seconds / one)))
+    per_call = []
+    for _ in range(batches):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        per_call.append((time.perf_counter() - t0) / calls)
+    return statistics.median(per_call)
+
+
+def _is_view(node: fx.Node) -> bool:
+    schema = node.target._schema
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def measure(
+    nodes: Iterable[fx.Node],
+    device: torch.device | str,
+    *,
+    host_is_device: bool,
+    known: OpTimes | None = None,
+    batches: int = 5,
+    min_batch_seconds: float = 2e-4,
+    seed: int = 0,
+) -> OpTimes:
+    """Time each distinct aten call among ``nodes`` on ``device`` (module docstring).
+
+    Args:
+        nodes: FX nodes with ``meta["val"]`` (fake tensors of the graph's shapes).
+        device: where to run the calls; it must be this process's device of the graph.
+        host_is_device: the device is the host CPU (views are measured too).
+        known: times measured before; their keys are not measured again, and the result holds
+            them.
+        batches: timed batches per call (the median is kept).
+        min_batch_seconds: the least length of one batch (seconds).
+        seed: the random inputs' seed.
+
+    Returns:
+        the :class:`OpTimes` (``known``'s merged with the new ones).
+
+    Raises:
+        RuntimeError: when ``device`` is a CUDA device and CUDA is not available here.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"op_times='measured': the graph is on {device} but CUDA is not available here")
+    if device.type == "meta":
+        raise RuntimeError("op_times='measured': the graph is on the meta device; there is nothing to time")
+    gen = torch.Generator().manual_seed(seed)
+    seconds: dict[TimingKey, float] = dict(known.seconds) if known is not None else {}
+    skipped: dict[tuple[str, str], None] = dict.fromkeys(known.skipped) if known is not None else {}
+    tried: set = set()
+    with torch.no_grad(), _disable_current_modes():
+        for node in nodes:
+            key = timing_key(node)
+            if key is None or key in seconds or key in tried:
+                continue
+            tried.add(key)
+            target = node.target
+            if any(tag in target.tags for tag in _SKIP_TAGS):
+                skipped[(key[0], "its output shape depends on the data")] = None
+                continue
+            if not host_is_device and _is_view(node):
+                continue
+            try:
+                args = _build(tuple(node.args), device, gen)
+                kwargs = {k: _build(v, device, gen) for k, v in node.kwargs.items()}
+                call = functools.partial(target, *args, **kwargs)
+                seconds[key] = _time_call(call, device, batches, min_batch_seconds)
+            except Exception as exc:  # the roofline times it
+                first_line = (str(exc).splitlines() or [""])[0][:120]
+                skipped[(key[0], f"{type(exc).__name__}: {first_line}")] = None
+    return OpTimes(MappingProxyType(seconds), str(device), torch.get_num_threads(), tuple(skipped))

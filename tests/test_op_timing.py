@@ -1,0 +1,145 @@
+"""Measured op times (``op_times="measured"``, ``passes/op_timing.py``): what is timed, what is
+not, how the cost model uses the times, and a compiled model that plans with them."""
+
+import copy
+import dataclasses
+import math
+from types import MappingProxyType
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import offload_compiler
+from offload_compiler.passes import cost_model, liveness, op_timing
+
+from . import models
+from ._pass_helpers import ROUND, tanh_mm_pair
+
+CPU_HOST = dataclasses.replace(ROUND, host_is_device=True)
+
+
+def graph_nodes(pair):
+    return [*pair.forward.graph.nodes, *pair.backward.graph.nodes]
+
+
+def test_each_distinct_aten_call_is_timed_once_and_views_only_on_the_host(monkeypatch):
+    pair = tanh_mm_pair()
+    nodes = graph_nodes(pair)
+    calls = []
+    real = op_timing._time_call
+    monkeypatch.setattr(op_timing, "_time_call", lambda fn, *a: calls.append(fn) or real(fn, *a))
+    times = op_timing.measure(nodes, "cpu", host_is_device=True)
+    aten = [n for n in nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    keys = {op_timing.timing_key(n) for n in aten}
+    assert None not in keys
+    assert set(times.seconds) == keys and len(calls) == len(keys) and times.skipped == ()
+    assert all(math.isfinite(s) and s > 0 for s in times.seconds.values())
+    assert times.device == "cpu" and times.threads == torch.get_num_threads()
+    for n in aten:
+        assert times.seconds_of(n) == times.seconds[op_timing.timing_key(n)]
+    # Placeholders, getitem and outputs have no call to time.
+    assert all(times.seconds_of(n) is None for n in nodes if n not in aten)
+    # Known calls are not timed again.
+    calls.clear()
+    again = op_timing.measure(nodes, "cpu", host_is_device=True, known=times)
+    assert calls == [] and dict(again.seconds) == dict(times.seconds)
+    # Off the host the views' dispatch overlaps the device's work: they are not timed.
+    off_host = op_timing.measure(nodes, "cpu", host_is_device=False)
+    views = {op_timing.timing_key(n) for n in aten if op_timing._is_view(n)}
+    assert views and set(off_host.seconds) == keys - views
+
+
+def fake_graph(build):
+    """An FX graph built by ``build(graph, fake_mode)`` whose nodes carry fake ``meta["val"]``."""
+    g = fx.Graph()
+    with FakeTensorMode() as mode:
+        build(g, mode)
+    return list(g.nodes)
+
+
+def test_bigger_calls_measure_longer():
+    def build(g, mode):
+        for n in (8, 384):
+            a = g.placeholder(f"a{n}")
+            a.meta["val"] = torch.empty(n, n)
+            mm = g.call_function(torch.ops.aten.mm.default, (a, a))
+            mm.meta["val"] = torch.empty(n, n)
+
+    nodes = fake_graph(build)
+    times = op_timing.measure(nodes, "cpu", host_is_device=True)
+    small, large = (times.seconds_of(n) for n in nodes if n.op == "call_function")
+    # 2*384^3 = 113 MFLOP against 1 kFLOP: at any CPU's rate far longer, not only by its call's cost.
+    assert large > 20 * small > 0
+
+
+def test_calls_it_cannot_time_are_left_to_the_roofline_with_the_reason():
+    def build(g, mode):
+        x = g.placeholder("x")
+        x.meta["val"] = torch.empty(4, 3)
+        nz = g.call_function(torch.ops.aten.nonzero.default, (x,))
+        nz.meta["val"] = torch.empty(2, 2, dtype=torch.long)
+        # Shapes that do not multiply (a graph the method cannot rebuild): the call raises.
+        bad = g.call_function(torch.ops.aten.mm.default, (x, x))
+        bad.meta["val"] = torch.empty(4, 4)
+        other = g.call_function(torch.ops.trinity.fence.default, (x,))  # not aten: the copy formula's
+        other.meta["val"] = torch.empty(4, 3)
+
+    nodes = fake_graph(build)
+    times = op_timing.measure(nodes, "cpu", host_is_device=True)
+    assert len(times) == 0
+    reasons = dict(times.skipped)
+    assert reasons["aten::nonzero.default"] == "its output shape depends on the data"
+    assert reasons["aten::mm.default"].startswith("RuntimeError: ")
+    assert op_timing.timing_key(nodes[-1]) is None
+
+
+def test_the_cost_model_uses_the_measured_seconds_where_it_has_them():
+    pair = tanh_mm_pair()
+    live = liveness.analyze(pair)
+    nodes = graph_nodes(pair)
+    mm = next(n for n in nodes if n.name == "mm")
+    tanh = next(n for n in nodes if n.name == "tanh")
+    times = op_timing.OpTimes(MappingProxyType({op_timing.timing_key(mm): 0.25}))
+    rough = cost_model.estimate(pair, live, ROUND)
+    measured = cost_model.estimate(pair, live, dataclasses.replace(ROUND, op_times=times))
+    i_mm, i_tanh = nodes.index(mm), nodes.index(tanh)
+    assert measured.step_seconds[i_mm] == 0.25
+    # FLOPs and bytes are still counted; a call not measured keeps its roofline time.
+    assert measured.step_flops[i_mm] == rough.step_flops[i_mm] == 60
+    assert measured.step_seconds[i_tanh] == rough.step_seconds[i_tanh]
+    assert measured.compute_seconds == pytest.approx(rough.compute_seconds - rough.step_seconds[i_mm] + 0.25)
+    # The times are not part of the figures' identity.
+    assert dataclasses.replace(ROUND, op_times=times) == ROUND
+
+
+@pytest.mark.parametrize(("inner", "dynamic"), [("eager", False), ("eager", True), ("inductor", False)])
+def test_a_model_planned_with_measured_times_trains_like_eager(inner, dynamic):
+    torch.manual_seed(0)
+    ref = models.MLP()
+    model = copy.deepcopy(ref)
+    before = len(offload_compiler.reports())
+    compiled = torch.compile(
+        model,
+        backend="trinity",
+        dynamic=dynamic,
+        options={"memory_budget": "50%", "inner": inner, "min_offload_bytes": 0, "op_times": "measured"},
+    )
+    ref_c = torch.compile(ref, backend={"eager": "aot_eager", "inductor": "inductor"}[inner], dynamic=dynamic)
+    for n in (4096, 2048) if dynamic else (4096, 4096):
+        x, y = models.mlp_batch(n)
+        for m in (compiled, ref_c):
+            m(x, y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            if inner == "eager":
+                assert torch.equal(p.grad, q.grad)
+            else:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+            p.grad = q.grad = None
+    (r,) = offload_compiler.reports()[before:]
+    assert r.num_evicted > 0 and r.peak_bytes_planned <= r.budget_bytes
+    assert r.op_times.startswith("measured: ") and " calls on cpu " in r.op_times
+    assert int(r.op_times.split()[1]) > 0
+    assert dict(r.pass_seconds)["op_timing"] > 0
+    assert "node times: measured" in r.summary()
