@@ -95,6 +95,22 @@ def test_calls_it_cannot_time_are_left_to_the_roofline_with_the_reason():
     assert op_timing.timing_key(nodes[-1]) is None
 
 
+def test_timing_random_ops_leaves_the_random_numbers_of_the_training_unchanged():
+    def build(g, mode):
+        x = g.placeholder("x")
+        x.meta["val"] = torch.empty(64, 64)
+        d = g.call_function(torch.ops.aten.native_dropout.default, (x, 0.5, True))
+        d.meta["val"] = (torch.empty(64, 64), torch.empty(64, 64, dtype=torch.bool))
+
+    nodes = fake_graph(build)
+    torch.manual_seed(3)
+    expected = torch.rand(8)
+    torch.manual_seed(3)
+    times = op_timing.measure(nodes, "cpu", host_is_device=True)
+    assert len(times) == 1  # the dropout was timed (it drew numbers) ...
+    assert torch.equal(torch.rand(8), expected)  # ... and the generator is where it was
+
+
 def test_the_cost_model_uses_the_measured_seconds_where_it_has_them():
     pair = tanh_mm_pair()
     live = liveness.analyze(pair)

@@ -14,7 +14,8 @@ Method (:func:`measure`): per distinct call, real inputs of the fake values' siz
 storage offsets and dtypes (floats from a normal distribution, integer and bool tensors zero, so
 indices are valid), one warm-up call, then batches of calls timed with ``time.perf_counter``
 (the device synchronized around each batch), each batch at least ``min_batch_seconds`` long;
-the per-call figure is the median over ``batches`` batches. The graphs run their ops back to back
+the per-call figure is the median over ``batches`` batches. The random generators' states are
+restored afterwards (a timed dropout draws no number the training would have drawn). The graphs run their ops back to back
 the same way, so the figure counts the call's Python and dispatcher work as well as its kernel.
 
 Not measured (the roofline times them): ops outside the ``aten`` namespace (trinity's copies are
@@ -75,15 +76,6 @@ class OpTimes:
         measured."""
         key = timing_key(node)
         return None if key is None else self.seconds.get(key)
-
-    def merged(self, other: OpTimes) -> OpTimes:
-        """These times and ``other``'s (``other`` wins where both have a key)."""
-        return OpTimes(
-            MappingProxyType({**self.seconds, **other.seconds}),
-            other.device,
-            other.threads,
-            tuple(dict.fromkeys(self.skipped + other.skipped)),
-        )
 
     def __len__(self) -> int:
         return len(self.seconds)
@@ -229,7 +221,10 @@ def measure(
     seconds: dict[TimingKey, float] = dict(known.seconds) if known is not None else {}
     skipped: dict[tuple[str, str], None] = dict.fromkeys(known.skipped) if known is not None else {}
     tried: set = set()
-    with torch.no_grad(), _disable_current_modes():
+    # Random ops (dropout) draw from the generators: their states are put back afterwards, so
+    # that timing changes no random number the training draws.
+    rng_devices = [device] if device.type == "cuda" else []
+    with torch.no_grad(), _disable_current_modes(), torch.random.fork_rng(devices=rng_devices):
         for node in nodes:
             key = timing_key(node)
             if key is None or key in seconds or key in tried:
