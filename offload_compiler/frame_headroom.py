@@ -29,7 +29,14 @@ import sys
 
 import torch.fx as fx
 
-__all__ = ["MIN_FRAME_WORDS", "add_headroom", "applies", "frame_words", "with_headroom"]
+__all__ = [
+    "MIN_FRAME_WORDS",
+    "add_headroom",
+    "applies",
+    "frame_words",
+    "pad_function",
+    "with_headroom",
+]
 
 # A chunk is 16 KiB (2045 words less its header), or, for a frame that needs more, the next
 # power of two at or above the frame plus CPython's 1000-word MINIMUM_OVERHEAD (Python/pystate.c,
@@ -50,26 +57,33 @@ def frame_words(code) -> int:
     return len(code.co_varnames) + len(code.co_cellvars) + len(code.co_freevars) + code.co_stacksize
 
 
-def add_headroom(gm: fx.GraphModule) -> int:
-    """Give the frame of ``gm``'s generated ``forward`` at least :data:`MIN_FRAME_WORDS` words
-    (see the module docstring), in place: the function object the compiled code calls keeps its
-    identity, its code is replaced by one with a larger ``co_stacksize``. Call it after the last
-    recompile of ``gm`` (``boxed_nop`` recompiles with the boxed calling convention). A lazily
-    compiled module is compiled first. Returns the words added (0 where nothing was done)."""
-    if not applies():
-        return 0
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
-    _LazyGraphModule.force_recompile(gm)
-    fn = type(gm).forward
+def pad_function(fn) -> int:
+    """Give the frame of the Python function ``fn`` at least :data:`MIN_FRAME_WORDS` words, in
+    place (its code is replaced by one with a larger ``co_stacksize``; the function object keeps
+    its identity). Returns the words added (0 where nothing was done: no chunked data stack,
+    not a Python function, or a frame that large already)."""
+    fn = getattr(fn, "__func__", fn)  # a bound method: its function
     code = getattr(fn, "__code__", None)
-    if code is None:
+    if not applies() or code is None:
         return 0
     extra = MIN_FRAME_WORDS - frame_words(code)
     if extra <= 0:
         return 0
     fn.__code__ = code.replace(co_stacksize=code.co_stacksize + extra)
     return extra
+
+
+def add_headroom(gm: fx.GraphModule) -> int:
+    """Give the frame of ``gm``'s generated ``forward`` at least :data:`MIN_FRAME_WORDS` words
+    (see the module docstring; :func:`pad_function`). Call it after the last recompile of ``gm``
+    (``boxed_nop`` recompiles with the boxed calling convention). A lazily compiled module is
+    compiled first. Returns the words added."""
+    if not applies():
+        return 0
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    _LazyGraphModule.force_recompile(gm)
+    return pad_function(type(gm).forward)
 
 
 def with_headroom(compiler):

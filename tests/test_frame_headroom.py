@@ -107,3 +107,15 @@ def test_the_eager_backend_gives_its_graphs_the_headroom(monkeypatch):
     assert len(seen) == 2  # the forward and the backward graph
     for gm in seen:
         assert frame_headroom.frame_words(type(gm).forward.__code__) >= frame_headroom.MIN_FRAME_WORDS
+
+
+def test_pad_function_takes_a_bound_method_and_leaves_non_python_callables():
+    class Runner:
+        def call(self, args):
+            return sum(args)
+
+    r = Runner()
+    assert frame_headroom.pad_function(r.call) > 0
+    assert frame_headroom.frame_words(Runner.call.__code__) == frame_headroom.MIN_FRAME_WORDS
+    assert r.call([1, 2]) == 3
+    assert frame_headroom.pad_function(len) == 0  # a C function has no frame
