@@ -273,7 +273,8 @@ class TrinityOptions:
             against the device's figures, ``passes/cost_model.py``) or ``"measured"`` (each
             distinct aten call of the graphs timed on this machine at compile time, with inputs of
             the graph's shapes, ``passes/op_timing.py``; the roofline for what is not measured).
-            ``"measured"`` times this machine, so it is refused with a table ``device``.
+            ``"measured"`` times this machine, so it is refused with a table ``device`` other
+            than ``"cpu"``.
     """
 
     memory_budget: MemoryBudget = field(default_factory=lambda: MemoryBudget("auto"))
@@ -363,7 +364,7 @@ class TrinityOptions:
                 "(with parameter offload saved activations are kept or offloaded); use strategy='auto' or "
                 "'offload', or offload='activations'" + sources("strategy", "offload")
             )
-        if opts.op_times == "measured" and opts.device is not None:
+        if opts.op_times == "measured" and opts.device is not None and not _is_host_cpu(opts.device):
             raise ValueError(
                 f"trinity option 'op_times': 'measured' times the ops on this machine, so it cannot plan for the "
                 f"table device {opts.device!r}; use op_times='roofline' with device={opts.device!r}, or leave "
@@ -410,6 +411,13 @@ class TrinityOptions:
                 v = dict(v)
             out[f.name] = v
         return out
+
+
+def _is_host_cpu(device: str) -> bool:
+    """Whether the table device ``device`` is the host CPU entry (``"cpu"``)."""
+    from .devices import KNOWN_DEVICES, lookup_device
+
+    return lookup_device(device) is KNOWN_DEVICES["cpu"]
 
 
 def _from_env(name: str, text: str) -> Any:

@@ -85,7 +85,9 @@ class TrinityReport:
         runtime_id: id of the pair's transfer runtime.
         device_name: the device figures the cost model used.
         op_times: how the cost model timed the nodes: ``"roofline"``, or (``op_times="measured"``)
-            ``"measured: N calls on DEVICE (M calls left to the roofline)"``.
+            ``"measured: N calls on DEVICE, M left to the roofline"``.
+        op_times_not_timed: with ``op_times="measured"``, ``(op name, why, distinct calls)`` of
+            the calls left to the roofline.
         size_bounds: with dynamic shapes and a budget, ``(size symbol, largest size)`` pairs the
             plan is guarded to (a larger size recompiles and plans again); empty otherwise.
         param_offload: with ``offload`` other than ``"activations"``: the mode, parameters
@@ -181,6 +183,7 @@ class TrinityReport:
     strategy: str = "auto"
     recompute: dict | None = None
     op_times: str = "roofline"
+    op_times_not_timed: tuple[tuple[str, str, int], ...] = ()
     decisions: tuple[tuple[str, int, str], ...] = ()
     fits_without_plan: bool = False
     peak_step_planned: int | None = None
@@ -238,6 +241,7 @@ class TrinityReport:
             runtime_id=runtime_id,
             device_name=plan.costs.device.name,
             op_times=_op_times_text(plan.costs.device.op_times),
+            op_times_not_timed=plan.costs.device.op_times.skipped if plan.costs.device.op_times is not None else (),
             size_bounds=size_bounds,
             peak_step_planned=act.peak_step_planned,
             reuse_count=plan.model_state.reuse_count,
@@ -328,6 +332,8 @@ class TrinityReport:
             lines.append(f"  recompute  none (greedy fallback: {rc['solver_status']})")
         if rc and rc.get("note") and not self.fits_without_plan:
             lines.append(f"  note       {rc['note']}")
+        for op, why, n in self.op_times_not_timed:
+            lines.append(f"  not timed  {op} ({n} call{'s' if n != 1 else ''}): {why}; the roofline times it")
         if self.compute_seconds > 0 and self.exposed_transfer_seconds > 0.05 * self.compute_seconds:
             lines.append(
                 f"  note       the budget is met only with {self.exposed_transfer_seconds * 1e3:.3f} ms of copies "
@@ -499,4 +505,5 @@ def _op_times_text(times) -> str:
     """The report's ``op_times`` line for a spec's :class:`~.passes.op_timing.OpTimes` (or ``None``)."""
     if times is None:
         return "roofline"
-    return f"measured: {len(times)} calls on {times.device} ({len(times.skipped)} calls left to the roofline)"
+    left = len(times.not_timed)
+    return f"measured: {len(times)} calls on {times.device}, {left} left to the roofline"

@@ -35,6 +35,7 @@ def test_each_distinct_aten_call_is_timed_once_and_views_only_on_the_host(monkey
     keys = {op_timing.timing_key(n) for n in aten}
     assert None not in keys
     assert set(times.seconds) == keys and len(calls) == len(keys) and times.skipped == ()
+    assert dict(times.not_timed) == {}
     assert all(math.isfinite(s) and s > 0 for s in times.seconds.values())
     assert times.device == "cpu" and times.threads == torch.get_num_threads()
     for n in aten:
@@ -81,18 +82,49 @@ def test_calls_it_cannot_time_are_left_to_the_roofline_with_the_reason():
         nz = g.call_function(torch.ops.aten.nonzero.default, (x,))
         nz.meta["val"] = torch.empty(2, 2, dtype=torch.long)
         # Shapes that do not multiply (a graph the method cannot rebuild): the call raises.
-        bad = g.call_function(torch.ops.aten.mm.default, (x, x))
-        bad.meta["val"] = torch.empty(4, 4)
+        z = g.placeholder("z")
+        z.meta["val"] = torch.empty(5, 3)
+        for a in (x, z):  # two distinct calls
+            bad = g.call_function(torch.ops.aten.mm.default, (a, a))
+            bad.meta["val"] = torch.empty(a.meta["val"].shape[0], 3)
         other = g.call_function(torch.ops.trinity.fence.default, (x,))  # not aten: the copy formula's
         other.meta["val"] = torch.empty(4, 3)
 
     nodes = fake_graph(build)
     times = op_timing.measure(nodes, "cpu", host_is_device=True)
     assert len(times) == 0
-    reasons = dict(times.skipped)
-    assert reasons["aten::nonzero.default"] == "its output shape depends on the data"
-    assert reasons["aten::mm.default"].startswith("RuntimeError: ")
+    calls = {}
+    for op, why, n in times.skipped:
+        calls[op] = calls.get(op, 0) + n
+        if op == "aten::mm.default":
+            assert why.startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied"), why
+        else:  # nonzero of the built (random normal) input: all 12 elements; the graph says 2.
+            assert why == "its output shape depends on the data (on built inputs [(12, 2)], in the graph [(2, 2)])"
+    assert calls == {"aten::mm.default": 2, "aten::nonzero.default": 1}
+    assert len(times.not_timed) == 3
     assert op_timing.timing_key(nodes[-1]) is None
+    # Known calls that could not be timed are not tried again.
+    again = op_timing.measure(nodes, "cpu", host_is_device=True, known=times)
+    assert dict(again.not_timed) == dict(times.not_timed)
+
+
+def test_index_with_integer_lists_and_integer_division_are_timed():
+    def build(g, mode):
+        x = g.placeholder("x")
+        x.meta["val"] = torch.empty(8, 6)
+        i = g.placeholder("i")
+        i.meta["val"] = torch.empty(3, dtype=torch.long)
+        # torch tags index.Tensor dynamic_output_shape (a bool mask would make it so); with
+        # integer indices its output has the graph's shape and is timed.
+        ix = g.call_function(torch.ops.aten.index.Tensor, (x, [None, i]))
+        ix.meta["val"] = torch.empty(8, 3)
+        # Zeros would divide by zero: ones are tried next.
+        d = g.call_function(torch.ops.aten.floor_divide.default, (i, i))
+        d.meta["val"] = torch.empty(3, dtype=torch.long)
+
+    nodes = fake_graph(build)
+    times = op_timing.measure(nodes, "cpu", host_is_device=True)
+    assert times.skipped == () and len(times) == 2
 
 
 def test_timing_random_ops_leaves_the_random_numbers_of_the_training_unchanged():
@@ -155,7 +187,7 @@ def test_a_model_planned_with_measured_times_trains_like_eager(inner, dynamic):
             p.grad = q.grad = None
     (r,) = offload_compiler.reports()[before:]
     assert r.num_evicted > 0 and r.peak_bytes_planned <= r.budget_bytes
-    assert r.op_times.startswith("measured: ") and " calls on cpu " in r.op_times
-    assert int(r.op_times.split()[1]) > 0
+    assert r.op_times.startswith("measured: ") and r.op_times.endswith(" calls on cpu, 0 left to the roofline")
+    assert int(r.op_times.split()[1]) > 0 and r.op_times_not_timed == ()
     assert dict(r.pass_seconds)["op_timing"] > 0
     assert "node times: measured" in r.summary()

@@ -736,6 +736,8 @@ def test_op_times_forms_and_errors():
         match=r"cannot plan for the table device 'h100-sxm'.*\(op_times from options; device from TRINITY_DEVICE\)",
     ):
         build({"op_times": "measured"}, env={"TRINITY_DEVICE": "h100-sxm"})
+    # The host CPU's entry is this machine (where the graph runs on the CPU): allowed.
+    assert build({"op_times": "measured", "device": "cpu"}).device == "cpu"
 
 
 def test_runtime_check_forms_and_errors():

@@ -18,11 +18,13 @@ the per-call figure is the median over ``batches`` batches. The random generator
 restored afterwards (a timed dropout draws no number the training would have drawn). The graphs run their ops back to back
 the same way, so the figure counts the call's Python and dispatcher work as well as its kernel.
 
-Not measured (the roofline times them): ops outside the ``aten`` namespace (trinity's copies are
-timed by the copy formula, collectives by the communication model), ops whose output shape
-depends on the data (torch's ``data_dependent_output`` / ``dynamic_output_shape`` tags), calls
-with an argument the method cannot build (a tensor subclass, a symbolic size without a hint), and
-a call that raises on the built inputs. Views are measured only where the host is the device
+Not measured (the roofline times them; ``OpTimes.skipped`` and the report list them with the
+reason): ops outside the ``aten`` namespace (trinity's copies are timed by the copy formula,
+collectives by the communication model), ops whose output depends on the data (torch's
+``data_dependent_output`` tag, or outputs of other shapes than the graph's on the built inputs:
+a boolean mask's ``index``, ``nonzero``), calls with an argument the method cannot build (a
+tensor subclass, a symbolic size without a hint), and a call that raises on the built inputs
+(integer inputs are zeros, valid indices, and ones where zeros raise: a divisor). Views are measured only where the host is the device
 (elsewhere their dispatch overlaps the device's work and the roofline's 0 stands).
 
 Reads ``node.meta["val"]``; writes nothing (the times are returned, the caller keeps them).
@@ -50,9 +52,8 @@ TimingKey = tuple
 """``(op name, argument structure)``: tensors as ``("T", sizes, strides, storage offset, dtype,
 device type)``, other values as their ``repr``, nested lists as tuples."""
 
-_SKIP_TAGS = tuple(
-    getattr(torch.Tag, t) for t in ("data_dependent_output", "dynamic_output_shape") if hasattr(torch.Tag, t)
-)
+_SKIP_TAGS = tuple(getattr(torch.Tag, t) for t in ("data_dependent_output",) if hasattr(torch.Tag, t))
+DATA_DEPENDENT = "its output shape depends on the data"
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,13 +64,21 @@ class OpTimes:
         seconds: :data:`TimingKey` -> seconds per call (read-only mapping).
         device: the device they were measured on (``"cpu"``, ``"cuda:0"``).
         threads: torch's intra-op threads when measured (``torch.get_num_threads()``).
-        skipped: ``(op name, why)`` of the calls not measured (the roofline times them).
+        not_timed: :data:`TimingKey` -> why the call was not timed (the roofline times it).
     """
 
     seconds: Mapping[TimingKey, float] = field(default_factory=lambda: MappingProxyType({}))
     device: str = "cpu"
     threads: int = 1
-    skipped: tuple[tuple[str, str], ...] = ()
+    not_timed: Mapping[TimingKey, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def skipped(self) -> tuple[tuple[str, str, int], ...]:
+        """``(op name, why, distinct calls)`` of the calls not timed, most calls first."""
+        counts: dict[tuple[str, str], int] = {}
+        for key, why in self.not_timed.items():
+            counts[(key[0], why)] = counts.get((key[0], why), 0) + 1
+        return tuple((op, why, n) for (op, why), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
     def seconds_of(self, node: fx.Node) -> float | None:
         """The measured seconds per call of ``node``'s call, or ``None`` where it was not
@@ -118,8 +127,9 @@ def timing_key(node: fx.Node) -> TimingKey | None:
         return None
 
 
-def _real(val: torch.Tensor, device: torch.device, gen: torch.Generator) -> torch.Tensor:
-    """A tensor with ``val``'s sizes, strides, storage offset and dtype on ``device``."""
+def _real(val: torch.Tensor, device: torch.device, gen: torch.Generator, int_fill: int = 0) -> torch.Tensor:
+    """A tensor with ``val``'s sizes, strides, storage offset and dtype on ``device``: floats
+    from a normal distribution, integers and bools ``int_fill``."""
     if type(val) not in (torch.Tensor,) and not isinstance(val, torch._subclasses.FakeTensor):
         raise TypeError(f"a {type(val).__name__} is not built")
     size = tuple(hint_int(s) for s in val.shape)
@@ -131,24 +141,24 @@ def _real(val: torch.Tensor, device: torch.device, gen: torch.Generator) -> torc
     if val.dtype.is_floating_point or val.dtype.is_complex:
         base = torch.randn(max(extent, 1), generator=gen, dtype=torch.float32).to(val.dtype)
     else:
-        base = torch.zeros(max(extent, 1), dtype=val.dtype)
+        base = torch.full((max(extent, 1),), int_fill, dtype=val.dtype)
     base = base.to(device)
     t = base.as_strided(size, stride, offset)
     return t.requires_grad_(False)
 
 
-def _build(value, device, gen):
+def _build(value, device, gen, int_fill: int = 0):
     if isinstance(value, fx.Node):
         v = value.meta.get("val")
         if isinstance(v, torch.Tensor):
-            return _real(v, device, gen)
+            return _real(v, device, gen, int_fill)
         if isinstance(v, torch.SymInt):
             return hint_int(v)
         if isinstance(v, (int, float, bool)) or v is None:
             return v
         raise TypeError(f"argument {value.name} has no tensor or number value")
     if isinstance(value, (list, tuple)):
-        return type(value)(_build(v, device, gen) for v in value)
+        return type(value)(_build(v, device, gen, int_fill) for v in value)
     if isinstance(value, torch.SymInt):
         return hint_int(value)
     return value
@@ -219,29 +229,57 @@ def measure(
         raise RuntimeError("op_times='measured': the graph is on the meta device; there is nothing to time")
     gen = torch.Generator().manual_seed(seed)
     seconds: dict[TimingKey, float] = dict(known.seconds) if known is not None else {}
-    skipped: dict[tuple[str, str], None] = dict.fromkeys(known.skipped) if known is not None else {}
-    tried: set = set()
+    not_timed: dict[TimingKey, str] = dict(known.not_timed) if known is not None else {}
     # Random ops (dropout) draw from the generators: their states are put back afterwards, so
     # that timing changes no random number the training draws.
     rng_devices = [device] if device.type == "cuda" else []
     with torch.no_grad(), _disable_current_modes(), torch.random.fork_rng(devices=rng_devices):
         for node in nodes:
             key = timing_key(node)
-            if key is None or key in seconds or key in tried:
+            if key is None or key in seconds or key in not_timed:
                 continue
-            tried.add(key)
-            target = node.target
-            if any(tag in target.tags for tag in _SKIP_TAGS):
-                skipped[(key[0], "its output shape depends on the data")] = None
+            if any(tag in node.target.tags for tag in _SKIP_TAGS):
+                not_timed[key] = DATA_DEPENDENT
                 continue
             if not host_is_device and _is_view(node):
                 continue
-            try:
-                args = _build(tuple(node.args), device, gen)
-                kwargs = {k: _build(v, device, gen) for k, v in node.kwargs.items()}
-                call = functools.partial(target, *args, **kwargs)
-                seconds[key] = _time_call(call, device, batches, min_batch_seconds)
-            except Exception as exc:  # the roofline times it
-                first_line = (str(exc).splitlines() or [""])[0][:120]
-                skipped[(key[0], f"{type(exc).__name__}: {first_line}")] = None
-    return OpTimes(MappingProxyType(seconds), str(device), torch.get_num_threads(), tuple(skipped))
+            got = _time_node(node, device, gen, batches, min_batch_seconds)
+            if isinstance(got, str):
+                not_timed[key] = got
+            else:
+                seconds[key] = got
+    return OpTimes(MappingProxyType(seconds), str(device), torch.get_num_threads(), MappingProxyType(not_timed))
+
+
+def _shapes(value) -> list[tuple[int, ...]]:
+    if isinstance(value, torch.Tensor):
+        return [tuple(hint_int(s) for s in value.shape)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _shapes(v)]
+    return []
+
+
+def _time_node(node: fx.Node, device, gen, batches: int, min_batch_seconds: float) -> float | str:
+    """Seconds per call of ``node``'s call on built inputs, or why it was not timed. Integer
+    inputs are zeros (valid indices), or ones where zeros raise (a divisor); a call whose
+    outputs do not have the graph's shapes on them (a mask, ``nonzero``) is not timed."""
+    why = ""
+    for int_fill in (0, 1):
+        try:
+            args = _build(tuple(node.args), device, gen, int_fill)
+            kwargs = {k: _build(v, device, gen, int_fill) for k, v in node.kwargs.items()}
+            call = functools.partial(node.target, *args, **kwargs)
+            out = call()
+        except Exception as exc:
+            first_line = (str(exc).splitlines() or [""])[0][:120]
+            why = f"{type(exc).__name__}: {first_line}"
+            continue
+        want = _shapes(node.meta.get("val"))
+        if _shapes(out) != want:
+            return f"{DATA_DEPENDENT} (on built inputs {_shapes(out)}, in the graph {want})"
+        try:
+            return _time_call(call, device, batches, min_batch_seconds)
+        except Exception as exc:
+            first_line = (str(exc).splitlines() or [""])[0][:120]
+            return f"{type(exc).__name__}: {first_line}"
+    return why
