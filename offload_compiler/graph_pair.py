@@ -125,11 +125,22 @@ def fill_tuple_vals(gm: fx.GraphModule) -> int:
     ``getitem`` nodes that unpack them have theirs. The tuple's value is those getitems' values
     (the same fake tensors, so aliasing analysis sees the same storages), ``None`` at indices
     nobody reads. Nodes with a non-getitem user are left alone (liveness then reports them).
+    An aten op that returns nothing (``_assert_scalar``, ``_assert_async``: the runtime checks of
+    data-dependent sizes, ``capture_dynamic_output_shape_ops``) gets ``None``.
 
     Writes ``node.meta["val"]``; reads the users' ``meta["val"]``.
     """
     filled = 0
     for n in gm.graph.nodes:
+        if (
+            n.op == "call_function"
+            and "val" not in n.meta
+            and isinstance(n.target, torch._ops.OpOverload)
+            and not n.target._schema.returns
+        ):
+            n.meta["val"] = None
+            filled += 1
+            continue
         if n.op != "call_function" or "val" in n.meta or not n.users:
             continue
         users = list(n.users)

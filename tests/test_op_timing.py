@@ -191,3 +191,33 @@ def test_a_model_planned_with_measured_times_trains_like_eager(inner, dynamic):
     assert int(r.op_times.split()[1]) > 0 and r.op_times_not_timed == ()
     assert dict(r.pass_seconds)["op_timing"] > 0
     assert "node times: measured" in r.summary()
+
+
+@pytest.mark.parametrize("op_times", ["roofline", "measured"])
+def test_data_dependent_shapes_compile_and_match_eager(op_times):
+    # capture_dynamic_output_shape_ops puts h[h > 0] in the graph with an unbacked size and an
+    # aten._assert_scalar check, which returns nothing (liveness once refused it for having no
+    # meta["val"]; found by the fresh-user trial).
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 16)
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, idx):
+            h = self.lin(self.emb(idx))
+            return h[:, [0, 2, 3]].sum() + h[h > 0].sum()
+
+    torch.manual_seed(0)
+    ref = Masked()
+    model = copy.deepcopy(ref)
+    opts = {"memory_budget": "50%", "inner": "eager", "min_offload_bytes": 0, "on_infeasible": "warn"}
+    compiled = torch.compile(model, backend="trinity", options={**opts, "op_times": op_times})
+    ref_c = torch.compile(ref, backend="aot_eager")
+    idx = torch.randint(0, 50, (4, 8))
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        with pytest.warns(UserWarning):
+            compiled(idx).backward()
+        ref_c(idx).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
