@@ -12,10 +12,11 @@ measurements on the target device) applied to aten calls.
 
 Method (:func:`measure`): per distinct call, real inputs of the fake values' sizes, strides,
 storage offsets and dtypes (floats from a normal distribution, integer and bool tensors zero, so
-indices are valid), one warm-up call, then batches of calls timed with ``time.perf_counter``
-(the device synchronized around each batch), each batch at least ``min_batch_seconds`` long;
-the per-call figure is the median over ``batches`` batches. The random generators' states are
-restored afterwards (a timed dropout draws no number the training would have drawn). The graphs run their ops back to back
+indices are valid, or one where zeros make the call raise), one call whose outputs must have the
+graph's shapes, then batches of calls timed with ``time.perf_counter`` (the device synchronized
+around each batch), each batch at least ``min_batch_seconds`` long; the per-call figure is the
+median over ``batches`` batches. The random generators' states are restored afterwards (a timed
+dropout draws no number the training would have drawn). The graphs run their ops back to back
 the same way, so the figure counts the call's Python and dispatcher work as well as its kernel.
 
 Not measured (the roofline times them; ``OpTimes.skipped`` and the report list them with the
