@@ -272,8 +272,7 @@ def _time_node(node: fx.Node, device, gen, batches: int, min_batch_seconds: floa
             call = functools.partial(node.target, *args, **kwargs)
             out = call()
         except Exception as exc:
-            first_line = (str(exc).splitlines() or [""])[0][:120]
-            why = f"{type(exc).__name__}: {first_line}"
+            why = _why(exc)
             continue
         want = _shapes(node.meta.get("val"))
         if _shapes(out) != want:
@@ -281,6 +280,10 @@ def _time_node(node: fx.Node, device, gen, batches: int, min_batch_seconds: floa
         try:
             return _time_call(call, device, batches, min_batch_seconds)
         except Exception as exc:
-            first_line = (str(exc).splitlines() or [""])[0][:120]
-            return f"{type(exc).__name__}: {first_line}"
+            return _why(exc)
     return why
+
+
+def _why(exc: BaseException) -> str:
+    """``"RuntimeError: <first line of the message>"`` (at most 120 characters of it)."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
