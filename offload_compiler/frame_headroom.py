@@ -12,9 +12,11 @@ it).
 An FX graph's generated ``forward`` has one local per node, so a graph of a few hundred to a
 few thousand nodes has a frame of a few to tens of KiB, and each of its calls (every aten op goes
 through ``OpOverload.__call__``, every ``trinity::`` op into its Python kernel) is a Python
-call. Measured on a 12-block GPT with ``offload="all"`` (2 cores, Python 3.11.7, torch 2.13): the
-forward graph's frame sat 8 words short of its chunk's end, 4308 page faults per step, and the
-step took 131 ms; with the headroom below, 4 page faults and 84 ms.
+call. Whether a graph hits it depends on where its frame lands, i.e. on the whole process. In
+one process layout (a 12-block GPT with ``offload="all"``, 2 cores, Python 3.11.7, torch 2.13)
+the forward's frame did: 4308 page faults per step and 131 ms, 4 and 84 ms with the headroom
+below. ``bench/frame_headroom.py`` (80 caller depths) found no other layout where it mattered
+beyond noise.
 
 :func:`add_headroom` enlarges the frame that a graph module's ``forward`` declares (its
 ``co_stacksize``: slots of the evaluation stack, never written beyond what the code uses) to at

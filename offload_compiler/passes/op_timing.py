@@ -13,9 +13,9 @@ measurements on the target device) applied to aten calls.
 Method (:func:`measure`): per distinct call, real inputs of the fake values' sizes, strides,
 storage offsets and dtypes (floats from a normal distribution, integer and bool tensors zero, so
 indices are valid, or one where zeros make the call raise), one call whose outputs must have the
-graph's shapes, then batches of calls timed with ``time.perf_counter`` (the device synchronized
-around each batch), each batch at least ``min_batch_seconds`` long; the per-call figure is the
-median over ``batches`` batches. The random generators' states are restored afterwards (a timed
+graph's shapes, then batches of calls timed by :mod:`offload_compiler.calibrate`'s timer
+(``time.perf_counter`` on the host, CUDA events on a GPU), each batch at least
+``min_batch_seconds`` long; the per-call figure is the median over ``batches`` batches. The random generators' states are restored afterwards (a timed
 dropout draws no number the training would have drawn). The graphs run their ops back to back
 the same way, so the figure counts the call's Python and dispatcher work as well as its kernel.
 
@@ -25,8 +25,9 @@ collectives by the communication model), ops whose output depends on the data (t
 ``data_dependent_output`` tag, or outputs of other shapes than the graph's on the built inputs:
 a boolean mask's ``index``, ``nonzero``), calls with an argument the method cannot build (a
 tensor subclass, a symbolic size without a hint), and a call that raises on the built inputs
-(integer inputs are zeros, valid indices, and ones where zeros raise: a divisor). Views are measured only where the host is the device
-(elsewhere their dispatch overlaps the device's work and the roofline's 0 stands).
+(integer inputs are zeros, valid indices, and ones where zeros raise: a divisor). Views are
+measured only where the host is the device (elsewhere their dispatch overlaps the device's work
+and the roofline's 0 stands).
 
 Reads ``node.meta["val"]``; writes nothing (the times are returned, the caller keeps them).
 """
@@ -34,8 +35,6 @@ Reads ``node.meta["val"]``; writes nothing (the times are returned, the caller k
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -131,7 +130,7 @@ def timing_key(node: fx.Node) -> TimingKey | None:
 def _real(val: torch.Tensor, device: torch.device, gen: torch.Generator, int_fill: int = 0) -> torch.Tensor:
     """A tensor with ``val``'s sizes, strides, storage offset and dtype on ``device``: floats
     from a normal distribution, integers and bools ``int_fill``."""
-    if type(val) not in (torch.Tensor,) and not isinstance(val, torch._subclasses.FakeTensor):
+    if type(val) is not torch.Tensor and not isinstance(val, torch._subclasses.FakeTensor):
         raise TypeError(f"a {type(val).__name__} is not built")
     size = tuple(hint_int(s) for s in val.shape)
     stride = tuple(hint_int(s) for s in val.stride())
@@ -165,29 +164,21 @@ def _build(value, device, gen, int_fill: int = 0):
     return value
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_call(fn, device: torch.device, batches: int, min_batch_seconds: float) -> float:
-    """Median seconds per call of ``fn`` (after one warm-up call)."""
-    fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    one = max(time.perf_counter() - t0, 1e-7)
+    """Median seconds per call of ``fn``: ``batches`` batches of as many calls as take at least
+    ``min_batch_seconds`` (one call's first timing decides), timed by calibrate's timer (its
+    warm-up calls first; CUDA events on a GPU)."""
+    from ..calibrate import _timer
+
+    time_it = _timer(device)
+    one = max(time_it(fn, 1), 1e-7)
     calls = max(1, min(10_000, int(min_batch_seconds / one)))
-    per_call = []
-    for _ in range(batches):
-        _sync(device)
-        t0 = time.perf_counter()
+
+    def batch():
         for _ in range(calls):
             fn()
-        _sync(device)
-        per_call.append((time.perf_counter() - t0) / calls)
-    return statistics.median(per_call)
+
+    return time_it(batch, batches) / calls
 
 
 def _is_view(node: fx.Node) -> bool:
