@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import hashlib
 import json
 import sys
 import traceback
@@ -127,6 +128,7 @@ def ddp_run(
     bucket_cap_mb: float = BUCKET_CAP_MB,
     reference: str | None = None,
     on_infeasible: str = "warn",
+    shard: bool = False,
 ) -> dict:
     """The same DDP training without trinity (uncompiled DDP, or ``reference``: compiled with
     that backend) and compiled with trinity; returns the measurements."""
@@ -168,7 +170,8 @@ def ddp_run(
     compiled = torch.compile(ddp, backend=backend)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
     if mode == "all":
-        opt = CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+        shard_group = dist.new_group(backend="gloo") if shard else None
+        opt = CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, shard_group=shard_group)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, ref_losses, measured = [], [], 0
@@ -226,10 +229,16 @@ def ddp_run(
     report = offload_compiler.step_report(ddp)
     result = {
         "splits": len(splits),
+        "optimizer_state_params": len(opt.state_dict()["state"]) if mode == "all" else None,
+        "shard": opt.shard if mode == "all" else None,
         "all_reduces_per_step": per_step,
         "params_needing_grad": sum(p.requires_grad for p in model.parameters()),
     }
     with materialized(model.parameters()):
+        # The final parameters' bits, to compare runs of different cases (sharded and not).
+        result["param_digest"] = hashlib.sha256(
+            b"".join(p.detach().clone().numpy().tobytes() for p in model.parameters())
+        ).hexdigest()
         return finish(
             result, list(model.parameters()), list(ref_model.parameters()), losses, ref_losses, measured, report
         )
@@ -268,6 +277,16 @@ def case_ddp_params():
 def case_ddp_all():
     """offload='all' with CPUOptimizer(AdamW): gradients averaged by trinity."""
     return ddp_run("all", "60%")
+
+
+def case_ddp_all_sharded():
+    """offload='all' with CPUOptimizer(AdamW, shard_group=...): each rank updates its share and
+    holds its state; the exchanged masters give every rank the unsharded bits."""
+    r = ddp_run("all", "60%", shard=True)
+    counts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, r["optimizer_state_params"])
+    r["optimizer_state_params_per_rank"] = counts
+    return r
 
 
 def case_ddp_all_no_sync():

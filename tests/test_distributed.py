@@ -26,6 +26,7 @@ CASES = [
     "ddp_params",
     "ddp_all",
     "ddp_all_no_sync",
+    "ddp_all_sharded",
     "ddp_all_hook_refused",
     "fsdp_blocks",
     "fsdp_cpu_offload",
@@ -118,6 +119,19 @@ def test_ddp_offload_all_averages_gradients_like_ddp(results):
     # Every parameter's gradient is all-reduced once per synced backward, by trinity.
     assert r["all_reduces_per_step"] == [r["params_needing_grad"]] * 3
     assert r["loss_rel_err"] <= 1e-6 and r["param_rel_err"] <= 1e-6 and r["rank_max_diff"] == 0
+    within_step_budget(r)
+
+
+def test_ddp_offload_all_with_a_sharded_cpu_optimizer(results):
+    r = ok(results, "ddp_all_sharded")
+    # Each rank holds the optimizer state of its own share only, and the shares cover every
+    # parameter once; the exchanged masters give the unsharded bits on both ranks.
+    per_rank = r["optimizer_state_params_per_rank"]
+    assert len(per_rank) == 2 and all(0 < n < r["params_needing_grad"] for n in per_rank)
+    assert sum(per_rank) == r["params_needing_grad"], per_rank
+    assert r["loss_rel_err"] <= 1e-6 and r["param_rel_err"] <= 1e-6 and r["rank_max_diff"] == 0
+    assert "sharded: rank" in r["shard"]
+    assert r["param_digest"] == ok(results, "ddp_all")["param_digest"]  # the unsharded optimizer's bits
     within_step_budget(r)
 
 

@@ -92,6 +92,31 @@ the plan may keep some parameters resident on the device with their gradients an
 state, as in ZeRO-Offload++'s Twin-Flow. Such a parameter carries ``_trinity_on_device`` and no
 host slot; ``step()`` updates it with the same torch optimizer class and options on the device
 (after handing the host chunks to the worker), so its bits are torch's on that device.
+
+**Sharded across ranks** (``shard_group``, ZeRO-Offload's partitioned CPU optimizer): under data
+parallelism every rank holds the same host gradients (averaged across ranks, by DDP or by
+trinity's gradient sync with ``offload="all"``), so every rank's update would be the same work on
+the same bits. With ``shard_group`` each rank updates only its own share of the parameters and
+holds optimizer state only for them; the share is a contiguous run of the host parameters (in
+the order given), balanced by bytes (:func:`shard_owners`: rank ``r`` of ``N`` owns the
+parameters whose middle byte falls in the ``r``-th ``N``-th of all their bytes). After its own
+chunks, the worker **exchanges** the updated master copies: for every host parameter, in order,
+``torch.distributed.broadcast`` of its master's bytes from its owner over ``shard_group``
+(asynchronous, then waited in order); a parameter owned by another rank is "update pending"
+until its broadcast arrived, so the next forward's fetch of it waits for exactly that. The
+owner's update is the unsharded update (same class, options, chunking rule over its share), and
+the others receive its bytes, so every rank ends the step with the bits of the unsharded
+optimizer. Host memory per rank: the optimizer state of ``1/N`` of the parameters (AdamW: 8 of
+its 16 bytes per fp32 parameter); the masters and host gradients stay whole on every rank.
+
+The exchange's collectives run on the worker thread while the main thread trains, so
+``shard_group`` must be a group of its own, used by nothing else (``dist.new_group(backend=
+"gloo")``; the default group, which DDP uses, is refused), and have a CPU backend (gloo): the
+masters are host tensors. ``state_dict()`` holds this rank's share of the state (as a ZeRO
+checkpoint does, one per rank); ``load_state_dict()`` takes the entries of this rank's share from
+the state given (a full state from an unsharded optimizer over the same parameters loads too). A
+rank whose update fails still takes part in the exchange (so the others do not wait for the
+group's timeout) and raises at its next ``step()``.
 """
 
 from __future__ import annotations
@@ -109,7 +134,7 @@ import torch
 
 from .model_state import ON_DEVICE_ATTR, OWNER_ATTR, ParamSlot, slot_of
 
-__all__ = ["CPUOptimizer", "ELEMENTWISE", "fused_cpu_kernel", "set_thread_num_threads"]
+__all__ = ["CPUOptimizer", "ELEMENTWISE", "fused_cpu_kernel", "set_thread_num_threads", "shard_owners"]
 
 log = logging.getLogger("offload_compiler")
 
@@ -205,6 +230,37 @@ def _ordinal(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
+def shard_owners(nbytes: list[int], world: int) -> list[int]:
+    """The owning rank of each parameter when ``world`` ranks share the update: contiguous runs
+    in the order given, balanced by bytes; parameter ``i`` (``nbytes[i]`` bytes, starting at byte
+    ``b_i`` of the concatenation) goes to rank ``floor((b_i + nbytes[i] / 2) * world / total)``.
+
+    Raises:
+        ValueError: for ``world < 1`` or a negative size.
+    """
+    if world < 1:
+        raise ValueError(f"shard_owners: world must be >= 1, got {world}")
+    if any(n < 0 for n in nbytes):
+        raise ValueError("shard_owners: parameter sizes must be >= 0 bytes")
+    total = sum(nbytes)
+    owners, start = [], 0
+    for n in nbytes:
+        owners.append(min(world - 1, int((start + n / 2) * world // total)) if total else 0)
+        start += n
+    return owners
+
+
+class _Exchange:
+    """The worker's exchange task of one sharded step: ``entries`` are ``(slot, source)`` for every
+    host parameter in order, ``source`` the global rank of its owner; ``foreign`` the slot ids this
+    rank receives."""
+
+    def __init__(self, entries: list[tuple[ParamSlot, int]], foreign: set[int]):
+        self.entries = entries
+        self.foreign = foreign
+        self.slots = [s for s, _ in entries if s.id in foreign]
+
+
 class _Chunk:
     def __init__(self, indices: list[int], slots: list[ParamSlot], optimizer: torch.optim.Optimizer, groups: list[int]):
         self.indices = indices  # global parameter indices, in the inner optimizer's order
@@ -256,6 +312,10 @@ class CPUOptimizer:
             to torch in flat pieces of about this many bytes (rounded to 64 elements); default
             512 KiB.
         num_threads: intra-op threads of the update (default ``torch.get_num_threads()``).
+        shard_group: a ``torch.distributed`` process group (gloo, used by nothing else) across
+            whose ranks the update and the optimizer state are partitioned (see "Sharded across
+            ranks" in the module docstring); ``None`` (the default): every rank updates every
+            parameter.
         **defaults: the optimizer's options (``lr``, ``betas``, ``weight_decay``, ``foreach``...).
 
     Attributes:
@@ -265,7 +325,12 @@ class CPUOptimizer:
         ValueError: for an empty parameter list, a closure passed to ``step``, a non-positive
             ``chunk_bytes``, ``piece_bytes``, ``num_threads`` or ``accumulation_steps``, an unknown
             ``overlap`` or ``implementation``, ``implementation="fastest"`` with ``fused`` or
-            ``foreach`` given; the optimizer's own error for options it refuses.
+            ``foreach`` given, a ``shard_group`` without an initialized process group, that is
+            the default group, or that has no CPU (gloo) backend, or with ``torch.optim.LBFGS``
+            (its update couples all parameters); the optimizer's own error for
+            options it refuses.
+        RuntimeError: from the first ``step()`` of a sharded optimizer whose ranks hold different
+            parameters (count, shapes or dtypes).
         RuntimeError: with ``overlap="backward"``, from ``step()`` or the backward, when the
             number of backwards per step is not ``accumulation_steps``.
     """
@@ -281,6 +346,7 @@ class CPUOptimizer:
         implementation: str = "exact",
         piece_bytes: int = 512 * 1024,
         num_threads: int | None = None,
+        shard_group: Any = None,
         **defaults: Any,
     ):
         if chunk_bytes <= 0:
@@ -297,6 +363,7 @@ class CPUOptimizer:
             isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
         ):
             raise ValueError(f"CPUOptimizer: num_threads must be None or an int >= 1, got {num_threads!r}")
+        self._init_shard(shard_group)
         self.overlap = overlap
         self.accumulation_steps = accumulation_steps
         self.num_threads = int(num_threads) if num_threads is not None else torch.get_num_threads()
@@ -311,6 +378,11 @@ class CPUOptimizer:
             for g in params
         ]
         self.optimizer_class = optimizer_class
+        if shard_group is not None and optimizer_class is torch.optim.LBFGS:
+            raise ValueError(
+                "CPUOptimizer: torch.optim.LBFGS cannot be sharded (shard_group): its update couples every "
+                "parameter (one flat direction over all of them), so no rank can update a share alone"
+            )
         self.defaults = dict(defaults)
         self.chunk_bytes = int(chunk_bytes)
         self.implementation_request = implementation
@@ -368,6 +440,72 @@ class CPUOptimizer:
             setattr(p, OWNER_ATTR, me)
 
     # ------------------------------------------------------------------ setup
+    def _init_shard(self, group: Any) -> None:
+        """Validate ``shard_group`` and record this rank's place in it (see the class docstring)."""
+        self.shard_group = group
+        self.shard_rank, self.shard_world = 0, 1
+        self._owner: dict[int, int] = {}  # parameter index -> owning rank in shard_group (host parameters)
+        self._host_slots: list[tuple[int, ParamSlot]] = []  # (parameter index, slot) of the host parameters
+        self._shard_checked = False
+        if group is None:
+            return
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("CPUOptimizer: shard_group needs an initialized torch.distributed process group")
+        if group is dist.group.WORLD or group == dist.distributed_c10d._get_default_group():
+            raise ValueError(
+                "CPUOptimizer: shard_group must be a group of its own (the exchange runs on the optimizer's "
+                "worker thread, beside the collectives of DDP and of the training loop on the default group); "
+                "create one with torch.distributed.new_group(backend='gloo')"
+            )
+        backend = str(dist.get_backend(group))
+        if "gloo" not in backend:
+            raise ValueError(
+                f"CPUOptimizer: shard_group has backend {backend!r}; the exchanged master copies are host "
+                "tensors, which need a CPU backend: torch.distributed.new_group(backend='gloo')"
+            )
+        self.shard_rank = dist.get_rank(group)
+        self.shard_world = dist.get_world_size(group)
+
+    def _check_shard(self, slots: list[ParamSlot | None]) -> None:
+        """Once, in the first ``step()`` (which every rank calls): the ranks of ``shard_group``
+        hold the same host parameters (sizes and dtypes, in order).
+
+        Raises:
+            RuntimeError: naming the ranks whose parameters differ from rank 0's.
+        """
+        if self.shard_group is None or self._shard_checked:
+            return
+        import torch.distributed as dist
+
+        mine = [(i, s.nbytes, str(s.master.dtype), tuple(s.master.shape)) for i, s in enumerate(slots) if s is not None]
+        every: list = [None] * self.shard_world
+        dist.all_gather_object(every, mine, group=self.shard_group)
+        differ = [r for r, theirs in enumerate(every) if theirs != every[0]]
+        if differ:
+            raise RuntimeError(
+                f"CPUOptimizer(shard_group=...): ranks {differ} of the shard group hold other parameters than rank 0 "
+                f"({len(mine)} host parameters here); every rank must give the same parameters in the same order"
+            )
+        self._shard_checked = True
+
+    @property
+    def shard(self) -> str:
+        """Who updates what, in words: ``"unsharded"``, or this rank's share (known from the first
+        ``step()``)."""
+        if self.shard_group is None:
+            return "unsharded"
+        if not self._owner:
+            return f"sharded across {self.shard_world} ranks (shares assigned at the first step())"
+        mine = [i for i, r in self._owner.items() if r == self.shard_rank]
+        slots = {s.id: s for c in self._chunks or () for s in c.slots}
+        nbytes = sum(s.nbytes for s in slots.values())
+        return (
+            f"sharded: rank {self.shard_rank} of {self.shard_world} updates {len(mine)} of {len(self._owner)} "
+            f"host parameters ({nbytes} bytes) and holds their optimizer state"
+        )
+
     def _describe_implementation(self) -> str:
         """Which path runs (see the module docstring), in words."""
         cls, d = self.optimizer_class, self.defaults
@@ -428,6 +566,10 @@ class CPUOptimizer:
         if self._chunks is not None:
             return self._chunks
         slots = self._slots()
+        host = [i for i, s in enumerate(slots) if s is not None]
+        owners = shard_owners([slots[i].nbytes for i in host], self.shard_world)
+        self._owner = dict(zip(host, owners))
+        self._host_slots = [(i, slots[i]) for i in host]
         chunks: list[_Chunk] = []
         current: list[int] = []
         size = 0
@@ -461,7 +603,7 @@ class CPUOptimizer:
             chunks.append(chunk)
 
         for i, s in enumerate(slots):
-            if s is None:
+            if s is None or self._owner[i] != self.shard_rank:
                 continue
             current.append(i)
             size += s.nbytes
@@ -558,6 +700,40 @@ class CPUOptimizer:
         for chunk in chunks:
             self._queue.put((self, chunk))  # the queue keeps the optimizer alive while work is pending
 
+    def _enqueue_exchange(self) -> None:
+        """Hand the worker this step's exchange (after this rank's chunks, in queue order): the
+        parameters other ranks own are "update pending" until their broadcast arrives."""
+        import torch.distributed as dist
+
+        foreign = set()
+        entries = []
+        for i, s in self._host_slots:
+            owner = self._owner[i]
+            entries.append((s, dist.get_global_rank(self.shard_group, owner)))
+            if owner != self.shard_rank:
+                s.release(write_back=False)  # the device copy, if any, is stale after the exchange
+                s.ready.clear()
+                foreign.add(s.id)
+        self._ensure_worker()
+        with self._cv:
+            self._pending += 1
+        self._queue.put((self, _Exchange(entries, foreign)))
+
+    def _exchange(self, task: _Exchange) -> None:
+        """On the worker: broadcast every host master from its owner, in order (see the module
+        docstring); a received parameter is ready once its broadcast is waited for."""
+        import torch.distributed as dist
+
+        works = []
+        for s, src in task.entries:
+            if s.id in task.foreign:
+                s.sync_master_copies()  # no fetch copy may still read a master being overwritten
+            works.append((s, dist.broadcast(s.master_bytes, src=src, group=self.shard_group, async_op=True)))
+        for s, work in works:
+            work.wait()
+            if s.id in task.foreign:
+                s.ready.set()
+
     # ------------------------------------------------------------------ the worker
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
@@ -581,6 +757,21 @@ class CPUOptimizer:
             if item is None:
                 return
             self, chunk = item
+            if isinstance(chunk, _Exchange):
+                try:
+                    self._exchange(chunk)  # also after a failed update: the other ranks wait for it
+                except BaseException as exc:  # noqa: BLE001  (re-raised on the main thread)
+                    self._error = self._error or exc
+                    for s in chunk.slots:
+                        s.error = exc
+                finally:
+                    for s in chunk.slots:
+                        s.ready.set()
+                    with self._cv:
+                        self._pending -= 1
+                        self._cv.notify_all()
+                del self, chunk, item
+                continue
             try:
                 if self._error is None:
                     for s in chunk.slots:
@@ -666,8 +857,11 @@ class CPUOptimizer:
                 self._confirmed = True
             self._backwards, self._task = 0, None
         chunks = self._build()
+        self._check_shard(self._slots())
         # overlap="backward": the chunks whose gradients were complete already started.
         self._enqueue([c for c in chunks if not c.enqueued])
+        if self.shard_group is not None:
+            self._enqueue_exchange()
         for c in chunks:
             c.enqueued = False
             c.done.clear()
@@ -738,6 +932,10 @@ class CPUOptimizer:
         for chunk in chunks:
             chunk.set_grads()
             shadow_of.update(zip(chunk.indices, chunk.shadows))
+        for i, s in self._host_slots:
+            if i not in shadow_of:  # owned by another rank (sharded): its averaged gradient is here too
+                shadow = shadow_of[i] = torch.nn.Parameter(s.master, requires_grad=self._params[i].requires_grad)
+                shadow.grad = s.grad if s.grad is not None and s.grad_valid else None
         return torch.nn.utils.clip_grad_norm_(
             [shadow_of[i] for i in range(len(self._params))], max_norm, norm_type=norm_type, **kwargs
         )

@@ -33,8 +33,9 @@ reduced one after the other, each folding in what the host holds: ``R1 + avg(g2)
 DDP gets from accumulating a reduced gradient.
 
 Gradients are reduced one tensor at a time (not in DDP's 25 MiB buckets): simple and exact, at
-the cost of one collective per parameter. The optimizer state is not sharded across ranks
-(every rank's ``CPUOptimizer`` updates every parameter, on identical gradients).
+the cost of one collective per parameter. Every rank receives every averaged gradient; with
+``CPUOptimizer(shard_group=...)`` each rank then updates only its share of the parameters and
+broadcasts it (:mod:`.cpu_optim`), else every rank updates every parameter on identical gradients.
 """
 
 from __future__ import annotations

@@ -186,6 +186,12 @@ class ParamSlot:
 
     # ------------------------------------------------------------------ host bytes
     @property
+    def master_bytes(self) -> torch.Tensor:
+        """The master copy as bytes: a 1-D ``uint8`` host tensor over the whole storage
+        (``nbytes`` long; :attr:`master` is a view of it shaped like the parameter)."""
+        return self._master_bytes
+
+    @property
     def host_bytes(self) -> int:
         """Host bytes this slot holds (master plus host gradient)."""
         return self.nbytes + (self.grad.untyped_storage().nbytes() if self.grad is not None else 0)
