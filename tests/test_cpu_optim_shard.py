@@ -90,6 +90,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                 "state": sorted(opt.state_dict()["state"]),
                 "shard": opt.shard,
                 "norms_equal": all(a == b for a, b in norms),
+                "exchange_seconds": opt.exchange_seconds,
             }
     finally:
         dist.destroy_process_group()
@@ -111,4 +112,5 @@ def test_two_ranks_each_update_their_share_with_the_unsharded_bits(tmp_path):
         assert r1[name]["state"] == [i for i, o in enumerate(owners) if o == 1], name
         assert r0[name]["state"] and r1[name]["state"]
         assert r0[name]["shard"].startswith("sharded: rank 0 of 2 updates")
+        assert r0[name]["exchange_seconds"] > 0 and r1[name]["exchange_seconds"] > 0
     assert r0["AdamW"]["norms_equal"] and r1["AdamW"]["norms_equal"]

@@ -126,6 +126,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -320,6 +321,9 @@ class CPUOptimizer:
 
     Attributes:
         implementation: which path runs, in words (e.g. ``"fused (torch's fused CPU kernel)"``).
+        shard_rank, shard_world: this rank and the ranks of ``shard_group`` (0 and 1 unsharded).
+        exchange_seconds: wall seconds of the latest step's exchange of master copies on the
+            worker (sharded; from its first broadcast until its last arrived), 0.0 before.
 
     Raises:
         ValueError: for an empty parameter list, a closure passed to ``step``, a non-positive
@@ -447,6 +451,7 @@ class CPUOptimizer:
         self._owner: dict[int, int] = {}  # parameter index -> owning rank in shard_group (host parameters)
         self._host_slots: list[tuple[int, ParamSlot]] = []  # (parameter index, slot) of the host parameters
         self._shard_checked = False
+        self.exchange_seconds = 0.0  # wall seconds of the latest exchange on the worker (sharded)
         if group is None:
             return
         import torch.distributed as dist
@@ -724,6 +729,7 @@ class CPUOptimizer:
         docstring); a received parameter is ready once its broadcast is waited for."""
         import torch.distributed as dist
 
+        t0 = time.perf_counter()
         works = []
         for s, src in task.entries:
             if s.id in task.foreign:
@@ -733,6 +739,7 @@ class CPUOptimizer:
             work.wait()
             if s.id in task.foreign:
                 s.ready.set()
+        self.exchange_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the worker
     def _ensure_worker(self) -> None:
