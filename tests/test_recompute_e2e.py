@@ -161,6 +161,26 @@ def test_retain_graph_two_backwards_bit_identical():
     assert recomputed(sbs) > 0
 
 
+def test_cpu_attention_recomputed_bit_identical(tmp_path):
+    """The CPU attention kernel (``_scaled_dot_product_flash_attention_for_cpu``, no formula of its
+    own in torch's FLOP registry) is priced by the flash kernel's formula, so its output may be
+    recomputed: at the lowest reachable peak the backward runs the forward kernel again (matched
+    by its target in the rewritten backward's code), the gradients stay bit-identical, and the
+    measured peak stays within the planned one."""
+    sbs = SideBySide(
+        models.GPTLoss, "eager", budget="35%", strategy="recompute", on_infeasible="warn", dump_dir=str(tmp_path)
+    )
+    batch = models.gpt_batch()
+    for _ in range(2):
+        sbs.step(batch)
+    (r,) = sbs.reports()
+    backward = (Path(r.dump_dir) / "07_insert_recompute.backward.py").read_text()
+    assert "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(" in backward
+    resident = list(sbs.model.parameters()) + list(batch)
+    m = measure_peak_device_bytes(lambda: sbs.trinity_step(batch), resident=resident, device="cpu")
+    assert m.peak_bytes <= r.peak_bytes_planned + PEAK_SLACK_BYTES, r.summary()
+
+
 def test_fits_without_a_plan_rewrites_nothing():
     sbs = SideBySide(models.MLP, "eager", budget="100%")
     sbs.step(models.mlp_batch(512))

@@ -51,6 +51,7 @@ __all__ = [
     "estimate",
     "apply_overrides",
     "node_cost",
+    "flop_packet",
     "HostUpdate",
     "host_update_model",
     "host_update_seconds",
@@ -165,6 +166,16 @@ _FLOP_ALIASES = {
 }
 
 
+def flop_packet(target):
+    """The op overload packet whose FLOP formula in ``torch.utils.flop_counter.flop_registry``
+    counts ``target`` (an ``OpOverload``): its own, or for the CPU attention kernels the flash
+    kernels' (:data:`_FLOP_ALIASES`); ``None`` when torch registers no formula for it. The one
+    lookup the cost model and the recompute chains (:mod:`.recompute_chains`) share."""
+    packet = getattr(target, "overloadpacket", None)
+    packet = _FLOP_ALIASES.get(packet, packet)
+    return packet if packet is not None and packet in flop_registry else None
+
+
 def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, int, float]:
     """``(flops, bytes, seconds)`` of one node (see the module docstring)."""
     if node.op != "call_function" or node.target in TRANSFER_OPS:
@@ -184,9 +195,8 @@ def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, i
         dispatched = spec.host_is_device and isinstance(node.target, torch._ops.OpOverload)
         return 0, 0, spec.launch_overhead_s if dispatched else 0.0
     flops = 0
-    packet = getattr(node.target, "overloadpacket", None)
-    packet = _FLOP_ALIASES.get(packet, packet)
-    if packet is not None and packet in flop_registry:
+    packet = flop_packet(node.target)
+    if packet is not None:
         try:
             args = _arg_val(node.args)
             kwargs = {k: _arg_val(v) for k, v in node.kwargs.items()}

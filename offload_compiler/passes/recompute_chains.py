@@ -17,9 +17,10 @@ or offloaded), with the reason recorded, when a node on it
 
 * mutates an argument, has side effects (registered with ``torch.fx.node.has_side_effect``), is a collective,
   a trinity op or a higher-order op;
-* has no known cost: no FLOP formula in ``torch.utils.flop_counter`` and not a view, pointwise,
-  reduction or listed memory-bound op (:data:`_MEMORY_BOUND`), so the cost model could not price
-  its recomputation;
+* has no known cost: no FLOP formula in ``torch.utils.flop_counter`` (for the CPU attention
+  kernels the flash kernels' formula, as the cost model counts them:
+  :func:`.cost_model.flop_packet`) and not a view, pointwise, reduction or listed memory-bound op
+  (:data:`_MEMORY_BOUND`), so the cost model could not price its recomputation;
 * is random (``Tag.nondeterministic_seeded``) and cannot be replayed bit-identically: with
   ``rng_replay`` (the inner compiler runs the graphs as written, ``inner="eager"``) a random op is
   recomputed under ``run_with_rng_state`` with the generator state saved right before the
@@ -41,11 +42,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
 
 from ..graph_pair import GraphPair
 from ..ir.refs import node_ref
-from .cost_model import Costs
+from .cost_model import Costs, flop_packet
 from .liveness import BufferKind, Liveness, _is_collective
 
 __all__ = ["Leaf", "Chain", "ChainAnalysis", "analyze", "MAX_CHAIN_NODES", "RNG_STATE_SUFFIX"]
@@ -227,7 +227,7 @@ def _known_cost(node: fx.Node) -> bool:
     packet = getattr(target, "overloadpacket", None)
     if packet is None:
         return False
-    if packet in flop_registry or packet in _MEMORY_BOUND:
+    if flop_packet(target) is not None or packet in _MEMORY_BOUND:
         return True
     tags = target.tags
     if torch.Tag.pointwise in tags or torch.Tag.reduction in tags:
