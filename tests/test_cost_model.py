@@ -74,6 +74,32 @@ def test_launch_overhead_is_added_once_per_kernel():
     assert b.compute_seconds - a.compute_seconds == pytest.approx(5.0, rel=1e-12)
 
 
+def _scale_shift_sum(w, x):
+    return ((x @ w) * 2 + 1).sum()
+
+
+def test_fused_pointwise_chain_costs_one_kernel():
+    """With fusion assumed (Inductor), ``mul`` and ``add`` are computed inside ``sum``'s kernel:
+    that kernel reads ``mm``'s 40 bytes once and writes the 4-byte sum, with one launch, as
+    Inductor's generated code does; unfused, each node reads and writes memory (80 + 80 + 44 bytes,
+    three launches)."""
+    torch.manual_seed(0)
+    pair = capture_pair(_scale_shift_sum, torch.randn(3, 5, requires_grad=True), torch.randn(2, 3), static=(0,))
+    unfused = liveness.analyze(pair)
+    fused = liveness.analyze(pair, assume_fusion=True)
+    assert {n for b in fused.buffers if b.fused for n in b.nodes} == {"forward:mul", "forward:add"}
+    a = by_node(pair, unfused, cost_model.estimate(pair, unfused, ROUND))
+    b = by_node(pair, fused, cost_model.estimate(pair, fused, ROUND))
+    for name, nbytes in (("mul", 80), ("add", 80), ("sum_1", 44)):
+        assert a[("forward", name)][1:] == (nbytes, pytest.approx(nbytes * 1e-9 + US, rel=1e-12)), name
+    # mul: reads mm (40 B), writes nothing, no launch; add: nothing; sum: writes 4 B, one launch.
+    assert b[("forward", "mul")][1:] == (40, pytest.approx(40e-9, rel=1e-12))
+    assert b[("forward", "add")] == (0, 0, 0.0)
+    assert b[("forward", "sum_1")][1:] == (4, pytest.approx(4e-9 + US, rel=1e-12))
+    for key in (("forward", "mm"), ("backward", "mm_1"), ("backward", "mul_1")):
+        assert a[key] == b[key], key
+
+
 def test_tf32_precision_uses_the_tf32_rate():
     fast_memory = spec(hbm_bytes_per_s=1e15)
     pair = tanh_mm_pair()

@@ -8,6 +8,11 @@ outputs all alias its inputs (views, reshapes, ``detach``, ``getitem``) launches
 costs nothing, as do placeholders and outputs; where the host is the device
 (``DeviceSpec.host_is_device``) an aten view still costs its dispatcher call, one launch overhead.
 FLOPs of the CPU attention kernel, which the registry leaves out, are torch's SDPA counts.
+Where the liveness assumes fusion (the inner compiler is Inductor: :attr:`.liveness.Buffer.fused`),
+a fused temporary's node is computed inside its reader's kernel: it writes nothing to memory and
+launches nothing, and its reader does not read it, so a fused pointwise chain costs what its one
+kernel moves (its inputs from memory, its output to memory) plus one launch, as the memory model
+already assumes.
 
 With measured op times (``op_times="measured"``, ``DeviceSpec.op_times``,
 :mod:`.op_timing`) a node whose call was measured takes its measured seconds per call instead
@@ -176,12 +181,17 @@ def flop_packet(target):
     return packet if packet is not None and packet in flop_registry else None
 
 
-def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, int, float]:
-    """``(flops, bytes, seconds)`` of one node (see the module docstring)."""
+def node_cost(
+    node: fx.Node, spec: DeviceSpec, allow_tf32: bool, fused: frozenset = frozenset()
+) -> tuple[int, int, float]:
+    """``(flops, bytes, seconds)`` of one node (see the module docstring). ``fused``: the nodes
+    the inner compiler computes inside their reader's kernel (liveness's fused temporaries,
+    :attr:`.liveness.Buffer.fused`): such a node writes no output to memory and launches no
+    kernel of its own, and its reader does not read it from memory."""
     if node.op != "call_function" or node.target in TRANSFER_OPS:
         return 0, 0, 0.0
     outs = tensor_vals(node)
-    ins = [t for m in node.all_input_nodes for t in tensor_vals(m)]
+    ins = [t for m in node.all_input_nodes if m not in fused for t in tensor_vals(m)]
     if not outs:
         return 0, 0, 0.0
     measured = spec.op_times.seconds_of(node) if spec.op_times is not None else None
@@ -203,11 +213,13 @@ def node_cost(node: fx.Node, spec: DeviceSpec, allow_tf32: bool) -> tuple[int, i
             flops = hint_int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
         except Exception:  # a formula that cannot take these arguments: count bytes only
             flops = 0
-    nbytes = sum(tensor_span_bytes(t) for t in ins) + sum(tensor_span_bytes(t) for t in outs)
+    in_kernel = node in fused
+    nbytes = sum(tensor_span_bytes(t) for t in ins) + (0 if in_kernel else sum(tensor_span_bytes(t) for t in outs))
     if measured is not None:
         return flops, nbytes, measured
     dtype = outs[0].dtype
-    seconds = max(flops / spec.peak_flops(dtype, allow_tf32), nbytes / spec.hbm_bytes_per_s) + spec.launch_overhead_s
+    launch = 0.0 if in_kernel else spec.launch_overhead_s
+    seconds = max(flops / spec.peak_flops(dtype, allow_tf32), nbytes / spec.hbm_bytes_per_s) + launch
     return flops, nbytes, seconds
 
 
@@ -222,9 +234,10 @@ def estimate(pair: GraphPair, liveness: Liveness, spec: DeviceSpec, pinned: bool
             f"cost model: the graphs have {len(nodes)} nodes but the liveness has {liveness.num_steps} "
             "steps; run liveness on the same graphs"
         )
+    fused = frozenset(h for b in liveness.buffers if b.fused for h in b.holders)
     flops, nbytes, seconds = [], [], []
     for n in nodes:
-        f, b, s = node_cost(n, spec, allow_tf32)
+        f, b, s = node_cost(n, spec, allow_tf32, fused)
         flops.append(f)
         nbytes.append(b)
         seconds.append(s)
