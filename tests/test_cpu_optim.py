@@ -193,6 +193,68 @@ def test_bad_arguments_are_refused():
         CPUOptimizer(ps, torch.optim.AdamW, lr=-1.0)
 
 
+TORCH_OPTIMIZERS = sorted(
+    (
+        c
+        for c in vars(torch.optim).values()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    ),
+    key=lambda c: c.__name__,
+)
+REFUSED = {
+    torch.optim.LBFGS: "its step\\(\\) requires a closure",
+    torch.optim.SparseAdam: "it accepts only sparse gradients",
+}
+
+
+@pytest.mark.parametrize("cls", TORCH_OPTIMIZERS, ids=lambda c: c.__name__)
+def test_every_torch_optim_class_runs_or_is_refused_at_construction(cls):
+    """Every optimizer class torch.optim exports either steps with the bits of torch's own run on
+    the same tensors (2-D parameters, which Muon needs; two steps, torch's defaults) or is refused
+    when the CPUOptimizer is built, naming the class and why (LBFGS's step needs a closure,
+    SparseAdam needs sparse gradients): before, LBFGS constructed and its first step failed with
+    "an update on the worker thread failed"."""
+    assert torch.optim.AdamW in TORCH_OPTIMIZERS and len(TORCH_OPTIMIZERS) >= 15  # the scan found them
+    shapes = [(48, 32), (16, 48)]
+    if cls in REFUSED:
+        with pytest.raises(
+            ValueError, match=rf"CPUOptimizer: torch\.optim\.{cls.__name__} cannot be used: {REFUSED[cls]}"
+        ):
+            CPUOptimizer(params(shapes=shapes), cls)
+        return
+    ref, ps, _, opt = run_both(cls, {}, steps=2, shapes=shapes)
+    for a, b, start in zip(ref, ps, params(shapes=shapes)):
+        assert not torch.equal(a.detach(), start.detach())  # the update moved it
+        assert torch.equal(a.detach(), value(b))
+
+
+def test_closure_optimizers_are_refused_sharded_or_not_and_subclasses_too():
+    """The refusal comes before anything else is checked (a sharded LBFGS gets the same message,
+    not one about the group), and it follows the step's signature, not the class's name."""
+
+    class MyLBFGS(torch.optim.LBFGS):
+        pass
+
+    class NeedsClosure(torch.optim.SGD):
+        def step(self, closure):
+            return super().step(closure)
+
+    class Sparse(torch.optim.SparseAdam):
+        pass
+
+    with pytest.raises(ValueError, match=r"torch\.optim\.LBFGS cannot be used: its step\(\) requires a closure"):
+        CPUOptimizer(params(), torch.optim.LBFGS, shard_group=object())
+    for cls, why in (
+        (MyLBFGS, "requires a closure"),
+        (NeedsClosure, "requires a closure"),
+        (Sparse, "sparse gradients"),
+    ):
+        with pytest.raises(ValueError, match=rf"CPUOptimizer: \S+\.{cls.__qualname__} cannot be used: .*{why}"):
+            CPUOptimizer(params(), cls, lr=0.1)
+    with pytest.raises(ValueError, match="optimizer_class must be a torch.optim.Optimizer subclass, got 'adamw'"):
+        CPUOptimizer(params(), "adamw")
+
+
 def test_muon_constructs_and_sees_each_matrix_whole():
     """torch.optim.Muon refuses parameters that are not 2-D: the defaults probe has the first
     parameter's dimensions, and no parameter is cut into flat pieces (the orthogonalisation needs

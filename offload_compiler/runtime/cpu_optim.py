@@ -79,9 +79,17 @@ with ``"all"`` the device parameters' ``.grad`` stays ``None``).
   kernels that walks all of memory once per operation), else torch's own default for the class.
   The bits are those of ``optimizer_class(params, **options, fused=True)`` where that is chosen.
   Giving ``fused`` or ``foreach`` too is refused (``ValueError``).
-* Other optimizers (matrix optimizers such as ``torch.optim.Muon``, ``Adafactor``, ``LBFGS``,
-  any subclass) are never split: each parameter reaches torch whole, with its own shape (Muon's
+* Other optimizers (matrix optimizers such as ``torch.optim.Muon``, ``Adafactor``, any
+  subclass) are never split: each parameter reaches torch whole, with its own shape (Muon's
   orthogonalisation needs the matrix).
+
+**Refused at construction** (:func:`unsupported_reason`, ``ValueError`` naming the class and why):
+optimizers whose ``step`` requires a closure (``torch.optim.LBFGS``: its line search re-evaluates
+the loss and gradients several times per step, while ``CPUOptimizer.step()`` updates from the
+gradients of the backward already run, on a worker thread, and takes no closure), and
+``torch.optim.SparseAdam`` (it accepts only sparse gradients; the host gradients the graph writes
+are dense, and its ``step`` raises "SparseAdam does not support dense gradients"). Every other
+``torch.optim`` class of torch 2.13 runs (tests/test_cpu_optim.py steps each one).
 
 Threads: the update runs on torch's intra-op threads of the worker: ``num_threads`` of them
 (default: ``torch.get_num_threads()`` when the optimizer is built, i.e. every core unless the
@@ -135,7 +143,14 @@ import torch
 
 from .model_state import ON_DEVICE_ATTR, OWNER_ATTR, ParamSlot, slot_of
 
-__all__ = ["CPUOptimizer", "ELEMENTWISE", "fused_cpu_kernel", "set_thread_num_threads", "shard_owners"]
+__all__ = [
+    "CPUOptimizer",
+    "ELEMENTWISE",
+    "fused_cpu_kernel",
+    "set_thread_num_threads",
+    "shard_owners",
+    "unsupported_reason",
+]
 
 log = logging.getLogger("offload_compiler")
 
@@ -172,6 +187,52 @@ def fused_cpu_kernel(optimizer_class: type) -> bool:
     except Exception:  # noqa: BLE001  (no `fused` argument, or no CPU kernel)
         return False
     return True
+
+
+def _class_name(cls: type) -> str:
+    """``torch.optim.LBFGS`` for torch's own classes, else ``module.QualName``."""
+    mod = cls.__module__
+    if mod.startswith("torch.optim") and getattr(torch.optim, cls.__name__, None) is cls:
+        mod = "torch.optim"
+    return f"{mod}.{cls.__qualname__}"
+
+
+def unsupported_reason(optimizer_class: type) -> str | None:
+    """Why :class:`CPUOptimizer` cannot run ``optimizer_class``, in words, or ``None`` when it can.
+
+    Refused (subclasses too):
+
+    * a ``step`` whose ``closure`` argument has no default, i.e. that requires a closure
+      (``torch.optim.LBFGS``: its line search calls the closure to re-evaluate the loss and the
+      gradients several times per step). ``CPUOptimizer.step()`` runs the update on a worker
+      thread from the host gradients of the backward already run and takes no closure; LBFGS's
+      update also couples every parameter (one flat search direction), so it could not be
+      chunked or sharded either.
+    * ``torch.optim.SparseAdam``: it accepts only sparse gradients (its ``step`` raises
+      "SparseAdam does not support dense gradients"), and the host gradients that
+      ``offload="all"`` writes are dense tensors.
+    """
+    import inspect
+
+    if not isinstance(optimizer_class, type):
+        return f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+    try:
+        closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature (a C extension): nothing to tell from it
+        closure = None
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        return (
+            "its step() requires a closure (e.g. LBFGS's line search re-evaluates the loss and gradients "
+            "several times per step), but CPUOptimizer.step() updates from the gradients of the backward "
+            "already run, on a worker thread, and takes no closure; use a first-order optimizer such as "
+            "torch.optim.AdamW"
+        )
+    if issubclass(optimizer_class, torch.optim.SparseAdam):
+        return (
+            "it accepts only sparse gradients, and the host gradients written by offload='all' are dense "
+            "(torch raises 'SparseAdam does not support dense gradients'); use torch.optim.Adam"
+        )
+    return None
 
 
 def set_thread_num_threads(n: int) -> None:
@@ -330,9 +391,10 @@ class CPUOptimizer:
             ``chunk_bytes``, ``piece_bytes``, ``num_threads`` or ``accumulation_steps``, an unknown
             ``overlap`` or ``implementation``, ``implementation="fastest"`` with ``fused`` or
             ``foreach`` given, a ``shard_group`` without an initialized process group, that is
-            the default group, or that has no CPU (gloo) backend, or with ``torch.optim.LBFGS``
-            (its update couples all parameters); the optimizer's own error for
-            options it refuses.
+            the default group, or that has no CPU (gloo) backend; for an optimizer class that
+            cannot run here (a ``step`` that requires a closure, such as ``torch.optim.LBFGS``;
+            ``torch.optim.SparseAdam``), sharded or not: see :func:`unsupported_reason`; the
+            optimizer's own error for options it refuses.
         RuntimeError: from the first ``step()`` of a sharded optimizer whose ranks hold different
             parameters (count, shapes or dtypes).
         RuntimeError: with ``overlap="backward"``, from ``step()`` or the backward, when the
@@ -367,6 +429,10 @@ class CPUOptimizer:
             isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
         ):
             raise ValueError(f"CPUOptimizer: num_threads must be None or an int >= 1, got {num_threads!r}")
+        why = unsupported_reason(optimizer_class)
+        if why is not None:
+            name = _class_name(optimizer_class) if isinstance(optimizer_class, type) else repr(optimizer_class)
+            raise ValueError(f"CPUOptimizer: {name} cannot be used: {why}")
         self._init_shard(shard_group)
         self.overlap = overlap
         self.accumulation_steps = accumulation_steps
@@ -382,11 +448,6 @@ class CPUOptimizer:
             for g in params
         ]
         self.optimizer_class = optimizer_class
-        if shard_group is not None and optimizer_class is torch.optim.LBFGS:
-            raise ValueError(
-                "CPUOptimizer: torch.optim.LBFGS cannot be sharded (shard_group): its update couples every "
-                "parameter (one flat direction over all of them), so no rank can update a share alone"
-            )
         self.defaults = dict(defaults)
         self.chunk_bytes = int(chunk_bytes)
         self.implementation_request = implementation
