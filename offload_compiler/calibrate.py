@@ -26,8 +26,10 @@
   gradients, its worker thread), per thread count, with torch's fused CPU kernel
   (``implementation="fastest"``) and with its default for-loop in cache-sized pieces. The cost
   model gets seconds per parameter at the most threads (``host_update_seconds_per_param``,
-  ``host_update_loop_seconds_per_param``); the per-thread figures are in
-  ``host_update_params_per_s`` and ``host_bytes_per_s_by_threads``.
+  ``host_update_loop_seconds_per_param``) and the per-thread figures
+  (``host_update_params_per_s``, ``host_bytes_per_s_by_threads``), from which it takes the one
+  at an optimizer's own thread count (``CPUOptimizer(num_threads=...)``; the largest measured
+  count not above it, :meth:`~offload_compiler.devices.DeviceSpec.host_update_figure`).
 
 Each figure is the median of several timed repetitions after warm-up (CUDA events on a GPU,
 ``time.perf_counter`` on the CPU). Pass the file to the backend with
@@ -46,6 +48,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -363,11 +366,46 @@ def calibrate(device: torch.device | str | None = None, quick: bool = False) -> 
     return out
 
 
-def load_calibration(path: str | Path) -> dict[str, float]:
-    """The figures of a calibration file (only :data:`CALIBRATION_FIELDS` present in it).
+def _positive(p: Path, key: str, value: Any) -> float:
+    """``value`` as a float, or ``ValueError`` naming the file, the key and the value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"calibration file {str(p)!r}: {key} = {value!r} is not a positive finite number")
+    return float(value)
+
+
+def _by_threads(p: Path, key: str, table: Any) -> dict[int, float]:
+    """A ``{threads: figure}`` table of a calibration file (JSON keys are strings) as ints and
+    floats.
 
     Raises:
-        ValueError: naming the file when it is missing, not JSON, or holds a non-positive figure.
+        ValueError: naming the file, the key and the bad entry: not an object, a thread count
+            that is not an int >= 1, or a figure that is not positive and finite.
+    """
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"calibration file {str(p)!r}: {key} must be a non-empty object of thread count -> figure")
+    out = {}
+    for t, value in table.items():
+        try:
+            threads = int(t)
+        except (TypeError, ValueError):
+            threads = 0
+        if threads < 1 or str(threads) != str(t).strip():
+            raise ValueError(f"calibration file {str(p)!r}: {key} has thread count {t!r}, not an int >= 1")
+        out[threads] = _positive(p, f"{key}[{t!r}]", value)
+    return out
+
+
+def load_calibration(path: str | Path) -> dict[str, Any]:
+    """The figures of a calibration file: the :data:`CALIBRATION_FIELDS` present in it (floats),
+    and the per-thread-count figures as :class:`~offload_compiler.devices.DeviceSpec` holds them:
+    ``host_update_params_per_s`` (``{"fused"|"loop": {threads: parameters/s}}``) as
+    ``host_update_params_per_s_by_threads`` (``((implementation, threads, parameters/s), ...)``)
+    and ``host_bytes_per_s_by_threads`` (``{threads: bytes/s}``) as ``((threads, bytes/s), ...)``.
+
+    Raises:
+        ValueError: naming the file when it is missing, not JSON, or holds a non-positive figure;
+            naming the key and entry for a malformed per-thread table (an implementation other
+            than ``fused``/``loop``, a thread count not an int >= 1, a non-positive figure).
     """
     p = Path(path)
     try:
@@ -378,13 +416,25 @@ def load_calibration(path: str | Path) -> dict[str, float]:
         raise ValueError(f"calibration file {str(p)!r} is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"calibration file {str(p)!r} must hold a JSON object")
-    figures = {}
+    figures: dict[str, Any] = {}
     for key in CALIBRATION_FIELDS:
         if key in data:
-            value = data[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"calibration file {str(p)!r}: {key} = {value!r} is not a positive finite number")
-            figures[key] = float(value)
+            figures[key] = _positive(p, key, data[key])
+    if "host_update_params_per_s" in data:
+        rates = data["host_update_params_per_s"]
+        if not isinstance(rates, dict) or set(rates) - {"fused", "loop"}:
+            raise ValueError(
+                f"calibration file {str(p)!r}: host_update_params_per_s must map 'fused' and/or 'loop' to "
+                f"{{threads: parameters/s}}, got keys {sorted(rates) if isinstance(rates, dict) else rates!r}"
+            )
+        figures["host_update_params_per_s_by_threads"] = tuple(
+            (impl, t, r)
+            for impl in sorted(rates)
+            for t, r in sorted(_by_threads(p, f"host_update_params_per_s[{impl!r}]", rates[impl]).items())
+        )
+    if "host_bytes_per_s_by_threads" in data:
+        table = _by_threads(p, "host_bytes_per_s_by_threads", data["host_bytes_per_s_by_threads"])
+        figures["host_bytes_per_s_by_threads"] = tuple(sorted(table.items()))
     if not figures:
         raise ValueError(f"calibration file {str(p)!r} holds none of {', '.join(CALIBRATION_FIELDS)}")
     return figures

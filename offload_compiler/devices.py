@@ -66,6 +66,10 @@ LOOP_SLOWDOWN = 3.0
 NOMINAL_HOST = {"cores": 16, "host_bytes_per_s": 60 * GB}
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("s" if n != 1 else "")
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """Figures of one device, in SI units.
@@ -105,6 +109,13 @@ class DeviceSpec:
         host_update_seconds_per_tensor: fixed seconds per parameter tensor of the host update
             with the fused kernel (torch's per-call work); 0 unless calibrated.
         host_update_loop_seconds_per_tensor: the same with the for-loop; 0 unless calibrated.
+        host_update_params_per_s_by_threads: the measured update throughput per thread count,
+            ``((implementation, threads, fp32 parameters/s), ...)`` with ``implementation``
+            ``"fused"`` or ``"loop"`` (``calibrate``'s ``host_update_params_per_s``); ``()``
+            unless calibrated. See :meth:`host_update_s_per_param`.
+        host_bytes_per_s_by_threads: the measured host bandwidth per thread count,
+            ``((threads, bytes/s), ...)`` (``calibrate``'s ``host_bytes_per_s_by_threads``); ``()``
+            unless calibrated.
         op_times: measured seconds per aten call on this machine
             (:class:`offload_compiler.passes.op_timing.OpTimes`, with ``op_times="measured"``);
             the cost model uses them instead of the roofline where they have the node's call.
@@ -132,6 +143,8 @@ class DeviceSpec:
     d2h_overhead_s: float = 0.0
     host_update_seconds_per_tensor: float = 0.0
     host_update_loop_seconds_per_tensor: float = 0.0
+    host_update_params_per_s_by_threads: tuple[tuple[str, int, float], ...] = ()
+    host_bytes_per_s_by_threads: tuple[tuple[int, float], ...] = ()
     op_times: Any = field(default=None, compare=False, repr=False)
 
     def host_update_s_per_tensor(self, implementation: str = "fused") -> float:
@@ -149,22 +162,82 @@ class DeviceSpec:
             else self.host_update_loop_seconds_per_tensor
         )
 
-    def host_update_s_per_param(self, implementation: str = "fused") -> float:
+    def host_update_s_per_param(self, implementation: str = "fused", threads: int | None = None) -> float:
         """Seconds per fp32 parameter of the host AdamW update: ``"fused"`` (torch's fused CPU
         kernel) or ``"loop"`` (torch's for-loop); measured when calibrated, else derived from
-        ``host_bytes_per_s`` (module docstring).
+        the host bandwidth (module docstring). The first element of :meth:`host_update_figure`,
+        which says the order of the sources and how ``threads`` picks among them.
 
         Raises:
-            ValueError: for another ``implementation``.
+            ValueError: for another ``implementation``, or ``threads`` < 1.
         """
-        fused = self.host_update_seconds_per_param or (
-            ADAMW_BYTES_PER_PARAM / self.host_bytes_per_s / FUSED_FRACTION_OF_FLOOR
-        )
+        return self.host_update_figure(implementation, threads)[0]
+
+    def host_update_figure(self, implementation: str = "fused", threads: int | None = None) -> tuple[float, str]:
+        """``(seconds per fp32 parameter, where it comes from in words)`` of the host AdamW update.
+
+        ``threads``: the update's intra-op threads (``CPUOptimizer.num_threads``); ``None``: all
+        the host's. Where the calibration measured figures per thread count, the one at the
+        largest measured count not above ``threads`` is used (:meth:`host_threads_figure`): an
+        update on 3 threads where 2 and 4 were measured is taken at the 2-thread rate, an upper
+        bound on its time, never the optimistic 4-thread one. In order, the first that exists:
+
+        1. the measured update rate of ``implementation`` at that count
+           (``host_update_params_per_s_by_threads``; only with ``threads`` given);
+        2. the measured all-threads figure of ``implementation`` (``host_update_seconds_per_param``,
+           ``host_update_loop_seconds_per_param``);
+        3. for ``"loop"``: the fused figure (2., else 4.) times :data:`LOOP_SLOWDOWN`;
+        4. derived from the bandwidth: ``ADAMW_BYTES_PER_PARAM / bandwidth /
+           FUSED_FRACTION_OF_FLOOR``, the bandwidth at that count (``host_bytes_per_s_by_threads``)
+           or else ``host_bytes_per_s``.
+
+        A ``threads`` below every measured count falls through to the next source.
+
+        Raises:
+            ValueError: for another ``implementation``, or ``threads`` < 1.
+        """
+        if implementation not in ("fused", "loop"):
+            raise ValueError(f"implementation must be 'fused' or 'loop', got {implementation!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be None or an int >= 1, got {threads!r}")
+        if threads is not None:
+            rates = {t: r for impl, t, r in self.host_update_params_per_s_by_threads if impl == implementation}
+            at = self.host_threads_count(rates, threads)
+            if at is not None:
+                return 1.0 / rates[at], f"measured at {_threads(at)}"
+        if implementation == "loop" and self.host_update_loop_seconds_per_param:
+            return self.host_update_loop_seconds_per_param, "measured at all threads"
+        if self.host_update_seconds_per_param:
+            fused, source = self.host_update_seconds_per_param, "measured at all threads"
+        else:
+            by_threads = dict(self.host_bytes_per_s_by_threads)
+            at = self.host_threads_count(by_threads, threads) if threads is not None else None
+            bandwidth = by_threads[at] if at is not None else self.host_bytes_per_s
+            fused = ADAMW_BYTES_PER_PARAM / bandwidth / FUSED_FRACTION_OF_FLOOR
+            source = "derived from the host bandwidth" + (f" measured at {_threads(at)}" if at is not None else "")
         if implementation == "fused":
-            return fused
-        if implementation == "loop":
-            return self.host_update_loop_seconds_per_param or fused * LOOP_SLOWDOWN
-        raise ValueError(f"implementation must be 'fused' or 'loop', got {implementation!r}")
+            return fused, source
+        return fused * LOOP_SLOWDOWN, f"the fused figure ({source}) x {LOOP_SLOWDOWN:g}"
+
+    @staticmethod
+    def host_threads_count(by_threads: dict[int, Any], threads: int) -> int | None:
+        """The largest thread count of ``by_threads`` not above ``threads``; ``None`` when every
+        count is above it (or there is none)."""
+        below = [t for t in by_threads if t <= threads]
+        return max(below) if below else None
+
+    def with_host_bandwidth(self, host_bytes_per_s: float) -> DeviceSpec:
+        """This spec with a stated host bandwidth (bytes/s) from which the host update's figures
+        are derived: the measured update figures (all threads and per thread count) and the
+        measured bandwidth per thread count are dropped."""
+        return replace(
+            self,
+            host_bytes_per_s=host_bytes_per_s,
+            host_update_seconds_per_param=0.0,
+            host_update_loop_seconds_per_param=0.0,
+            host_update_params_per_s_by_threads=(),
+            host_bytes_per_s_by_threads=(),
+        )
 
     def transfer_bytes_per_s(self, direction: str, pinned: bool = True) -> float:
         """Copy bandwidth (bytes/s) host-to-device (``"h2d"``) or device-to-host (``"d2h"``)."""

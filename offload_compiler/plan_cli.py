@@ -701,12 +701,7 @@ def main(argv: list[str] | None = None) -> int:
                 bandwidth = -1.0
             if not bandwidth > 0:
                 raise ValueError(f"--host-bandwidth {args.host_bandwidth!r} is not a positive number of bytes/s")
-            spec = replace(
-                spec,
-                host_bytes_per_s=bandwidth,
-                host_update_seconds_per_param=0.0,
-                host_update_loop_seconds_per_param=0.0,
-            )
+            spec = spec.with_host_bandwidth(bandwidth)
         if args.cpu_optimizer not in ("exact", "fastest"):
             raise ValueError(f"--cpu-optimizer {args.cpu_optimizer!r} is not exact or fastest")
         if args.overlap not in ("forward", "backward"):

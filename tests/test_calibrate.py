@@ -62,3 +62,54 @@ def test_bad_calibration_files_are_rejected(tmp_path):
         load_calibration(empty)
     with pytest.raises(ValueError, match="'calibration'"):
         TrinityOptions.from_user({"calibration": str(neg)}, env={})
+
+
+def test_per_thread_figures_reach_the_cost_model(tmp_path):
+    """calibrate writes the update's throughput and the bandwidth per thread count; the file's
+    tables reach the DeviceSpec (JSON's string keys as ints) and an optimizer's thread count picks
+    its figure. Before, load_calibration dropped them and every prediction took the all-threads
+    figure."""
+    path = tmp_path / "calib.json"
+    path.write_text(
+        json.dumps(
+            {
+                "host_bytes_per_s": 2e10,
+                "host_update_seconds_per_param": 1 / 3e8,
+                "host_update_params_per_s": {"fused": {"1": 1e8, "2": 3e8}, "loop": {"1": 2e7, "2": 4e7}},
+                "host_bytes_per_s_by_threads": {"1": 1.2e10, "2": 2e10},
+            }
+        )
+    )
+    figures = load_calibration(path)
+    assert figures["host_update_params_per_s_by_threads"] == (
+        ("fused", 1, 1e8),
+        ("fused", 2, 3e8),
+        ("loop", 1, 2e7),
+        ("loop", 2, 4e7),
+    )
+    assert figures["host_bytes_per_s_by_threads"] == ((1, 1.2e10), (2, 2e10))
+    opts = TrinityOptions.from_user({"calibration": str(path)}, env={})
+    spec = apply_overrides(KNOWN_DEVICES["a100-80gb"], opts)
+    assert spec.host_update_s_per_param("fused", 1) == pytest.approx(1e-8, rel=1e-12)
+    assert spec.host_update_s_per_param("fused", 8) == pytest.approx(1 / 3e8, rel=1e-12)
+    assert spec.host_update_s_per_param("loop", 1) == pytest.approx(5e-8, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"host_update_params_per_s": {"foreach": {"1": 1e8}}}, r"must map 'fused' and/or 'loop'.*\['foreach'\]"),
+        (
+            {"host_update_params_per_s": {"fused": {"0": 1e8}}},
+            r"host_update_params_per_s\['fused'\] has thread count '0'",
+        ),
+        ({"host_update_params_per_s": {"fused": {"two": 1e8}}}, "has thread count 'two', not an int >= 1"),
+        ({"host_bytes_per_s_by_threads": {"1": -5}}, r"host_bytes_per_s_by_threads\['1'\] = -5 is not a positive"),
+        ({"host_bytes_per_s_by_threads": []}, "host_bytes_per_s_by_threads must be a non-empty object"),
+    ],
+)
+def test_bad_per_thread_tables_are_rejected(tmp_path, table, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"host_bytes_per_s": 1e10, **table}))
+    with pytest.raises(ValueError, match=message):
+        load_calibration(path)

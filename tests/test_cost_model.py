@@ -257,3 +257,87 @@ def test_host_update_seconds_counts_a_fixed_cost_per_tensor():
     assert cost_model.host_update_seconds(4000, model, on_device=True, num_tensors=4) == pytest.approx(
         4000 * model.device_seconds_per_byte
     )
+
+
+# A host calibrated per thread count (hand-made figures): the update at 1, 2 and 4 threads, the
+# all-threads figure (4 threads) and the bandwidth at 1 and 4 threads.
+PER_THREAD = dict(
+    host_update_seconds_per_param=1 / 3e8,
+    host_update_loop_seconds_per_param=1 / 6e7,
+    host_update_params_per_s_by_threads=(
+        ("fused", 1, 1e8),
+        ("fused", 2, 1.8e8),
+        ("fused", 4, 3e8),
+        ("loop", 1, 2e7),
+        ("loop", 4, 6e7),
+    ),
+    host_bytes_per_s_by_threads=((1, 1e10), (4, 2.5e10)),
+    host_bytes_per_s=2.5e10,
+)
+
+
+@pytest.mark.parametrize(
+    "impl, threads, per_param, source",
+    [
+        ("fused", None, 1 / 3e8, "measured at all threads"),  # the optimizer's threads unknown
+        ("fused", 1, 1 / 1e8, "measured at 1 thread"),
+        ("fused", 2, 1 / 1.8e8, "measured at 2 threads"),
+        ("fused", 3, 1 / 1.8e8, "measured at 2 threads"),  # the largest measured count not above 3
+        ("fused", 16, 1 / 3e8, "measured at 4 threads"),
+        ("loop", 2, 1 / 2e7, "measured at 1 thread"),
+        ("loop", 4, 1 / 6e7, "measured at 4 threads"),
+    ],
+)
+def test_host_update_uses_the_figure_at_the_optimizers_thread_count(impl, threads, per_param, source):
+    """Before, the prediction took the all-threads figure whatever the optimizer's threads:
+    CPUOptimizer(num_threads=1) was predicted 3x faster than this host measured it."""
+    model = cost_model.host_update_model(spec(**PER_THREAD), "adamw", implementation=impl, threads=threads)
+    assert model.host_seconds_per_byte == pytest.approx(per_param / 4, rel=1e-12)  # 4 bytes per fp32 parameter
+    assert f"({source})" in model.description
+    # 1M fp32 parameters (4 MB): 10 ms at 1 thread fused, 3.33 ms at 4.
+    if (impl, threads) == ("fused", 1):
+        assert cost_model.host_update_seconds(4_000_000, model) == pytest.approx(0.01, rel=1e-12)
+
+
+def test_host_update_from_a_single_threaded_optimizer_uses_the_single_thread_figure():
+    from offload_compiler import CPUOptimizer
+
+    ps = [torch.nn.Parameter(torch.zeros(8))]
+    s = spec(**PER_THREAD)
+    one = cost_model.host_update_from_optimizer(s, CPUOptimizer(ps, implementation="fastest", num_threads=1))
+    assert one.host_seconds_per_byte == pytest.approx(1 / 1e8 / 4, rel=1e-12)
+    assert "1 threads" in one.description and "(measured at 1 thread)" in one.description
+    four = cost_model.host_update_from_optimizer(s, CPUOptimizer(ps, implementation="fastest", num_threads=4))
+    assert four.host_seconds_per_byte == pytest.approx(1 / 3e8 / 4, rel=1e-12)
+    loop = cost_model.host_update_from_optimizer(s, CPUOptimizer(ps, num_threads=1))  # the default for-loop
+    assert loop.host_seconds_per_byte == pytest.approx(1 / 2e7 / 4, rel=1e-12)
+
+
+def test_host_update_thread_fallbacks():
+    """No per-thread update rate: the all-threads measurement; none either: derived from the
+    bandwidth at the optimizer's thread count (28 bytes / bandwidth / FUSED_FRACTION_OF_FLOOR);
+    a count below every measured one falls through; a stated bandwidth drops every measurement."""
+    from offload_compiler.devices import FUSED_FRACTION_OF_FLOOR, LOOP_SLOWDOWN
+
+    measured = spec(**{**PER_THREAD, "host_update_params_per_s_by_threads": ()})
+    assert measured.host_update_figure("fused", 1) == (1 / 3e8, "measured at all threads")
+    bandwidth_only = spec(host_bytes_per_s=2.5e10, host_bytes_per_s_by_threads=((1, 1e10), (4, 2.5e10)))
+    assert bandwidth_only.host_update_figure("fused", 2) == (
+        pytest.approx(28 / 1e10 / FUSED_FRACTION_OF_FLOOR, rel=1e-12),
+        "derived from the host bandwidth measured at 1 thread",
+    )
+    assert bandwidth_only.host_update_s_per_param("loop", 4) == pytest.approx(
+        28 / 2.5e10 / FUSED_FRACTION_OF_FLOOR * LOOP_SLOWDOWN, rel=1e-12
+    )
+    above = spec(**{**PER_THREAD, "host_update_params_per_s_by_threads": (("fused", 2, 1.8e8),)})
+    assert above.host_update_figure("fused", 1) == (1 / 3e8, "measured at all threads")
+    stated = cost_model.apply_overrides(spec(**PER_THREAD), TrinityOptions.from_user({"host_bytes_per_s": 5e9}, env={}))
+    assert stated.host_update_params_per_s_by_threads == () and stated.host_bytes_per_s_by_threads == ()
+    assert stated.host_update_figure("fused", 1) == (
+        pytest.approx(28 / 5e9 / FUSED_FRACTION_OF_FLOOR, rel=1e-12),
+        "derived from the host bandwidth",
+    )
+    with pytest.raises(ValueError, match="threads must be None or an int >= 1, got 0"):
+        spec(**PER_THREAD).host_update_s_per_param("fused", 0)
+    with pytest.raises(ValueError, match="implementation must be 'fused' or 'loop', got 'foreach'"):
+        spec(**PER_THREAD).host_update_s_per_param("foreach", 1)

@@ -139,11 +139,8 @@ def apply_overrides(spec: DeviceSpec, options: TrinityOptions) -> DeviceSpec:
         fields["d2h_bytes_per_s"] = options.d2h_bytes_per_s
     if options.host_bytes_per_s is not None:
         # A stated bandwidth: the update figures derive from it (not from a measurement).
-        fields.update(
-            host_bytes_per_s=options.host_bytes_per_s,
-            host_update_seconds_per_param=0.0,
-            host_update_loop_seconds_per_param=0.0,
-        )
+        spec = spec.with_host_bandwidth(options.host_bytes_per_s)
+        fields["host_bytes_per_s"] = options.host_bytes_per_s
     if options.device_memory_bytes is not None:
         fields["memory_bytes"] = options.device_memory_bytes
     if fields:
@@ -317,8 +314,10 @@ def host_update_model(
 ) -> HostUpdate:
     """The :class:`HostUpdate` of ``optimizer`` on ``spec``'s host: ``implementation`` ``"fused"``
     (torch's fused CPU kernel, ``CPUOptimizer(implementation="fastest")``) or ``"loop"`` (its
-    for-loop, ``CPUOptimizer``'s default). ``threads`` only labels the description (the figures
-    are the host's at all its threads).
+    for-loop, ``CPUOptimizer``'s default). ``threads``: the update's intra-op threads
+    (``CPUOptimizer.num_threads``); ``None``: all the host's. With a calibration measured per
+    thread count, the figure at the largest measured count not above ``threads`` is used
+    (:meth:`~offload_compiler.devices.DeviceSpec.host_update_s_per_param`), else the all-threads one.
 
     Raises:
         ValueError: for another ``implementation`` or ``overlap``.
@@ -326,11 +325,11 @@ def host_update_model(
     if overlap not in ("forward", "backward"):
         raise ValueError(f"overlap must be 'forward' or 'backward', got {overlap!r}")
     traffic, states = optimizer_profile(optimizer, options)
-    per_param = spec.host_update_s_per_param(implementation)  # fp32 AdamW: 28 bytes, 4 of them parameter
+    # fp32 AdamW: 28 bytes per parameter, 4 of them the parameter
+    per_param, source = spec.host_update_figure(implementation, threads)
     host = per_param / 4 * traffic / 7
     device = host if spec.host_is_device else traffic / spec.hbm_bytes_per_s
     name = optimizer if isinstance(optimizer, str) else optimizer.__name__
-    source = "measured" if spec.host_update_seconds_per_param else "derived from the host bandwidth"
     return HostUpdate(
         host_seconds_per_byte=host,
         device_seconds_per_byte=device,
