@@ -19,9 +19,11 @@
 * the host update's fixed cost per parameter tensor: ``CPUOptimizer`` stepping many small
   tensors against few large ones of the same total (the per-call work of torch's optimizer and of
   the worker's bookkeeping);
-* the host (the CPU, also when a GPU is there): its sustained memory bandwidth, a STREAM triad
-  ``a = b + s * c`` over three buffers much larger than the caches, 12 bytes per element
-  (J. McCalpin's STREAM convention), per thread count; and the real throughput of the host
+* the host (the CPU, also when a GPU is there): its sustained memory bandwidth, the best rate
+  of STREAM's four kernels (copy, scale, add, triad) and STREAM2's in-place DAXPY over fp32
+  arrays of at least 4 times the last-level cache, each the best of several runs, with the
+  bytes STREAM counts plus the write-allocate read of each line stored without being read
+  (:func:`stream_bytes_per_s`), per thread count; and the real throughput of the host
   optimizer update: ``CPUOptimizer`` stepping AdamW over fp32 parameters (host master copies and
   gradients, its worker thread), per thread count, with torch's fused CPU kernel
   (``implementation="fastest"``) and with its default for-loop in cache-sized pieces. The cost
@@ -58,7 +60,11 @@ __all__ = [
     "load_calibration",
     "CALIBRATION_FIELDS",
     "main",
-    "stream_triad_bytes_per_s",
+    "stream_bytes_per_s",
+    "stream_kernels_bytes_per_s",
+    "stream_numel",
+    "last_level_cache_bytes",
+    "STREAM_KERNELS",
     "host_update_seconds",
     "copy_overhead_seconds",
     "graph_node_seconds",
@@ -201,17 +207,142 @@ def update_seconds_per_tensor(
     return max(1e-9, (many - numel * per_param) / 128)
 
 
-def stream_triad_bytes_per_s(numel: int = 1 << 25, reps: int = 5, num_threads: int | None = None) -> float:
-    """Sustained host-memory bandwidth in bytes/s: the median of ``reps`` STREAM triads
-    ``a = b + 3 c`` over three fp32 buffers of ``numel`` elements (default 128 MiB each, far
-    beyond any cache), counting 12 bytes per element as STREAM does (the write-allocate read of
-    ``a`` is not counted). ``num_threads``: intra-op threads (default: the current setting)."""
-    a, b, c = torch.empty(numel), torch.rand(numel), torch.rand(numel)
+# The bandwidth probe's kernels: STREAM's four (J. D. McCalpin, "Memory Bandwidth and Machine
+# Balance in Current High Performance Computers", IEEE TCCA Newsletter, Dec. 1995; stream.c,
+# https://www.cs.virginia.edu/stream/) and STREAM2's in-place DAXPY (McCalpin, stream2.f, same
+# site): name -> (arrays STREAM counts per element: read + written, write-allocate reads per
+# element). STREAM counts the arrays a kernel names (copy c = a: 2, scale b = s c: 2, add
+# c = a + b: 3, triad a = b + s c: 3) and, as its documentation says, not the write-allocate
+# traffic: a store to a line not in cache first reads that line unless the store is a streaming
+# (non-temporal) one. torch's CPU element-wise kernels (copy_, mul, add with out=) store with
+# ordinary vector stores, so each of those moves one more array per element than STREAM counts
+# (measured on the development machine, 2026-12, 1 GiB arrays, 2 threads: copy 9.1 GB/s as
+# STREAM counts it, 13.6 GB/s with its write-allocate, against 14.1 GB/s for the in-place DAXPY,
+# which only the second agrees with). DAXPY (a = a + s b) stores only lines it has just read,
+# nothing to allocate: the access pattern of an in-place optimizer update (AdamW reads master,
+# gradient, m, v and writes master, m, v back); here it ran 8-12% faster than the best kernel
+# with a write-allocate stream in 4 of 5 probes (3% slower in the fifth).
+STREAM_KERNELS = {"copy": (2, 1), "scale": (2, 1), "add": (3, 1), "triad": (3, 1), "daxpy": (3, 0)}
+# The probe's clock (a module global, so that a test can replace it for this probe alone).
+_probe_clock = time.perf_counter
+# Fallback when the OS does not say: a large server part's last-level cache (bytes).
+_LLC_FALLBACK_BYTES = 256 * 2**20
 
-    def measure() -> float:
-        return 12 * numel / _timer(torch.device("cpu"))(lambda: torch.add(b, c, alpha=3.0, out=a), reps)
+
+def last_level_cache_bytes(root: str | Path = "/sys/devices/system/cpu") -> int | None:
+    """The sum of the sizes of every distinct last-level cache of this machine in bytes (the
+    highest-level data or unified cache of each CPU, counted once per set of CPUs sharing it),
+    read from Linux's ``{root}/cpu*/cache/index*/{type,level,size,shared_cpu_list}``; ``None``
+    where that is unreadable."""
+    caches: dict[str, int] = {}
+    best_level = 0
+    for index in Path(root).glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            kind = (index / "type").read_text().strip()
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+            shared = (index / "shared_cpu_list").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction" or not size:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1].upper(), 1)
+        nbytes = int(size.rstrip("KMGkmg")) * unit
+        if level > best_level:
+            best_level, caches = level, {}
+        if level == best_level:
+            caches[shared] = nbytes
+    return sum(caches.values()) or None
+
+
+def stream_numel(llc_bytes: int | None = None, available_bytes: int | None = None) -> int:
+    """Elements per fp32 array of the bandwidth probe: 4 times ``llc_bytes`` (default
+    :func:`last_level_cache_bytes`, else 256 MiB), STREAM's rule that each array be at least 4
+    times the sum of the last-level caches, and at least 2^25 (128 MiB); at most an eighth of
+    ``available_bytes`` (default: Linux's ``MemAvailable``) per array, so the three arrays leave
+    most of the memory to others; a multiple of 64.
+
+    Raises:
+        ValueError: for a non-positive ``llc_bytes`` or ``available_bytes``.
+    """
+    if llc_bytes is not None and llc_bytes <= 0:
+        raise ValueError(f"stream_numel: llc_bytes must be positive, got {llc_bytes}")
+    if available_bytes is not None and available_bytes <= 0:
+        raise ValueError(f"stream_numel: available_bytes must be positive, got {available_bytes}")
+    llc = llc_bytes or last_level_cache_bytes() or _LLC_FALLBACK_BYTES
+    numel = max(1 << 25, 4 * llc // 4)  # 4 x the cache's bytes, 4 bytes per fp32 element
+    available = available_bytes or _available_memory_bytes()
+    if available:
+        numel = min(numel, available // 8 // 4)
+    return max(64, numel // 64 * 64)
+
+
+def _available_memory_bytes() -> int | None:
+    """Linux's ``MemAvailable`` in bytes, or ``None``."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def stream_kernels_bytes_per_s(
+    numel: int | None = None, reps: int = 5, num_threads: int | None = None
+) -> dict[str, float]:
+    """Host-memory bandwidth per kernel in bytes/s: ``{"copy", "scale", "add", "triad", "daxpy"}``
+    (:data:`STREAM_KERNELS`), each its best (shortest) run of ``reps`` after one warm-up run of
+    each (STREAM too reports each kernel's best time, of ``NTIMES`` = 10 runs less the first),
+    the kernels interleaved in each repetition as STREAM runs them, so a burst of load elsewhere
+    slows one repetition of each rather than every repetition of one. Bytes per element: 4 x (the
+    arrays STREAM counts + the write-allocate reads), see :data:`STREAM_KERNELS`. ``numel``:
+    elements per fp32 array (default :func:`stream_numel`, at least 4 x the last-level cache);
+    ``num_threads``: intra-op threads (default: the current setting).
+
+    Raises:
+        ValueError: for ``numel`` or ``reps`` below 1.
+    """
+    if numel is not None and numel < 1:
+        raise ValueError(f"stream_kernels_bytes_per_s: numel must be >= 1, got {numel}")
+    if reps < 1:
+        raise ValueError(f"stream_kernels_bytes_per_s: reps must be >= 1, got {reps}")
+    n = numel or stream_numel()
+
+    def measure() -> dict[str, float]:
+        a, b, c = torch.full((n,), 1.0), torch.full((n,), 2.0), torch.zeros(n)
+        s = 3.0
+        kernels = {
+            "copy": lambda: c.copy_(a),
+            "scale": lambda: torch.mul(c, s, out=b),
+            "add": lambda: torch.add(a, b, out=c),
+            "triad": lambda: torch.add(b, c, alpha=s, out=a),
+            "daxpy": lambda: a.add_(b, alpha=1e-3),
+        }
+        best = dict.fromkeys(kernels, math.inf)
+        for rep in range(reps + 1):
+            for name, kernel in kernels.items():
+                t0 = _probe_clock()
+                kernel()
+                dt = _probe_clock() - t0
+                if rep:  # the first repetition warms up (page faults, thread pool)
+                    best[name] = min(best[name], dt)
+        return {name: 4 * sum(STREAM_KERNELS[name]) * n / best[name] for name in kernels}
 
     return _in_thread(measure, num_threads or torch.get_num_threads())
+
+
+def stream_bytes_per_s(numel: int | None = None, reps: int = 5, num_threads: int | None = None) -> float:
+    """Sustained host-memory bandwidth in bytes/s: the best of :func:`stream_kernels_bytes_per_s`
+    (the fastest of STREAM's four kernels and STREAM2's DAXPY, each the best of ``reps`` runs,
+    write-allocate counted) over arrays of at least 4 x the last-level cache. The bandwidth
+    floor of an update is its bytes over this figure: an in-place update such as AdamW's moves
+    exactly the bytes it names (every line it stores it read first), as DAXPY does.
+
+    Raises:
+        ValueError: for ``numel`` or ``reps`` below 1.
+    """
+    return max(stream_kernels_bytes_per_s(numel, reps, num_threads).values())
 
 
 def host_update_seconds(
@@ -340,10 +471,13 @@ def calibrate(device: torch.device | str | None = None, quick: bool = False) -> 
         out["h2d_overhead_s"], out["d2h_overhead_s"] = overhead["h2d"], overhead["d2h"]
     # The host: memory bandwidth and the optimizer update, per thread count.
     counts = thread_counts()
-    triad_numel = 1 << 22 if quick else 1 << 25
-    by_threads = {t: stream_triad_bytes_per_s(triad_numel, reps, t) for t in counts}
+    stream_n = 1 << 22 if quick else stream_numel()  # quick: 16 MiB arrays, within many caches
+    kernels = {t: stream_kernels_bytes_per_s(stream_n, reps, t) for t in counts}
+    by_threads = {t: max(k.values()) for t, k in kernels.items()}
     out["host_bytes_per_s_by_threads"] = by_threads
     out["host_bytes_per_s"] = max(by_threads.values())
+    out["host_stream_kernels_bytes_per_s"] = kernels
+    out["host_stream_array_bytes"] = 4 * stream_n
     update_numel = 1 << 21 if quick else 1 << 24
     rates: dict[str, dict[int, float]] = {}
     for impl, key in (("fastest", "fused"), ("exact", "loop")):
@@ -463,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
         unit = "s/tensor" if key.endswith("per_tensor") else unit
         unit = "s" if key.endswith("overhead_s") else unit
         print(f"{key:34s} {value:12.4g} {unit}")
+    for t, by in figures["host_stream_kernels_bytes_per_s"].items():
+        cells = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in by.items())
+        print(f"host bandwidth, {t} threads (GB/s, write-allocate counted): {cells}")
     for impl, by in figures["host_update_params_per_s"].items():
         cells = ", ".join(f"{t} threads {r / 1e6:.0f} M params/s" for t, r in by.items())
         print(f"host update ({impl}): {cells}")

@@ -11,9 +11,11 @@ link's raw rate (Gen3 x16 ~12 GB/s, Gen4 x16 ~25 GB/s, Gen5 x16 ~50 GB/s; NVIDIA
 reach roughly half of that; trinity's pool is pinned on CUDA, so plans use the pinned figure.
 
 Host figures (the CPU the device is attached to; with ``offload="all"`` it runs the optimizer
-update): ``host_bytes_per_s``, the sustained host-memory bandwidth (a STREAM triad, J. McCalpin,
-"STREAM: Sustainable Memory Bandwidth in High Performance Computers", counting 12 bytes per
-element), and the update's seconds per parameter. An AdamW update reads master, gradient, m and v
+update): ``host_bytes_per_s``, the sustained host-memory bandwidth (as
+:func:`offload_compiler.calibrate.stream_bytes_per_s` measures it: the best of STREAM's kernels,
+J. McCalpin, "STREAM: Sustainable Memory Bandwidth in High Performance Computers", and STREAM2's
+in-place DAXPY, over arrays of 4 x the last-level cache, counting the write-allocate read of each
+line stored without being read, which STREAM leaves out), and the update's seconds per parameter. An AdamW update reads master, gradient, m and v
 and writes master, m and v: :data:`ADAMW_BYTES_PER_PARAM` = 28 bytes per fp32 parameter (7 bytes
 per byte of parameter), so its floor on a host is ``28 / host_bytes_per_s`` seconds per parameter.
 Unless measured (``python -m offload_compiler calibrate``), the update times are derived from the
@@ -21,8 +23,9 @@ bandwidth: torch's fused CPU kernel at :data:`FUSED_FRACTION_OF_FLOOR` of the fl
 per-parameter for-loop (``CPUOptimizer``'s default, bit-identical to ``torch.optim``'s default on
 CPU tensors) :data:`LOOP_SLOWDOWN` times slower (both measured on the development machine,
 ``bench/results/cpu_update.json``). The GPU entries assume :data:`NOMINAL_HOST`: a 16-core host
-sustaining 60 GB/s (a two-channel DDR5-5600 workstation's STREAM triad is 60-75 GB/s), a stated
-assumption, not a measurement; pass ``host_bytes_per_s`` (option or ``plan --host-bandwidth``) for
+sustaining 60 GB/s (a two-channel DDR5-5600 workstation's STREAM triad is 60-75 GB/s as STREAM
+reports it, without write-allocate traffic, so at most 4/3 of that as ``calibrate`` counts it:
+60 GB/s is the conservative end), a stated assumption, not a measurement; pass ``host_bytes_per_s`` (option or ``plan --host-bandwidth``) for
 yours.
 """
 
@@ -92,7 +95,8 @@ class DeviceSpec:
             copies (M. Harris, "How to Optimize Data Transfers in CUDA C/C++", NVIDIA blog, 2012);
             1.0 where host and device are the same memory.
         source: where the figures come from.
-        host_bytes_per_s: sustained bandwidth of the host memory (STREAM triad), bytes/s.
+        host_bytes_per_s: sustained bandwidth of the host memory, bytes/s
+            (:func:`offload_compiler.calibrate.stream_bytes_per_s`; module docstring).
         host_update_seconds_per_param: seconds per fp32 parameter of the host AdamW update with
             torch's fused CPU kernel on all host threads; 0 derives it from ``host_bytes_per_s``
             (see the module docstring).

@@ -225,8 +225,10 @@ class TrinityOptions:
         hbm_bytes_per_s: override of the device's memory bandwidth (bytes/s).
         h2d_bytes_per_s: override of host-to-device copy bandwidth (bytes/s).
         d2h_bytes_per_s: override of device-to-host copy bandwidth (bytes/s).
-        host_bytes_per_s: override of the host's sustained memory bandwidth (bytes/s; a STREAM
-            triad), from which the host optimizer update's time is derived (``offload="all"``).
+        host_bytes_per_s: override of the host's sustained memory bandwidth (bytes/s; as
+            :func:`offload_compiler.calibrate.stream_bytes_per_s` counts it: STREAM's kernels with
+            their write-allocate traffic), from which the host optimizer update's time is derived
+            (``offload="all"``).
         optimizer_on_device: with ``offload="all"``, the share of the parameters (by bytes, in
             the order the forward uses them) whose optimizer state, gradient and parameter stay on
             the device and are updated there (ZeRO-Offload++'s Twin-Flow): a number in 0.0..1.0

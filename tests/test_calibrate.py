@@ -4,7 +4,16 @@ import json
 
 import pytest
 
-from offload_compiler.calibrate import CALIBRATION_FIELDS, calibrate, load_calibration, main
+from offload_compiler.calibrate import (
+    CALIBRATION_FIELDS,
+    calibrate,
+    last_level_cache_bytes,
+    load_calibration,
+    main,
+    stream_bytes_per_s,
+    stream_kernels_bytes_per_s,
+    stream_numel,
+)
 from offload_compiler.devices import KNOWN_DEVICES
 from offload_compiler.options import TrinityOptions
 from offload_compiler.passes.cost_model import apply_overrides
@@ -113,3 +122,59 @@ def test_bad_per_thread_tables_are_rejected(tmp_path, table, message):
     path.write_text(json.dumps({"host_bytes_per_s": 1e10, **table}))
     with pytest.raises(ValueError, match=message):
         load_calibration(path)
+
+
+def _fake_cache(root, cpu, index, level, kind, size, shared):
+    d = root / f"cpu{cpu}" / "cache" / f"index{index}"
+    d.mkdir(parents=True)
+    for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
+        (d / name).write_text(f"{value}\n")
+
+
+def test_last_level_cache_is_summed_over_its_instances(tmp_path):
+    """Two sockets of two cores: per core L1d 48K, L1i 32K, L2 2048K; one 32M L3 per socket
+    (shared by cpus 0-1 and 2-3): 64 MiB, each L3 counted once."""
+    for cpu in range(4):
+        _fake_cache(tmp_path, cpu, 0, 1, "Data", "48K", cpu)
+        _fake_cache(tmp_path, cpu, 1, 1, "Instruction", "32K", cpu)
+        _fake_cache(tmp_path, cpu, 2, 2, "Unified", "2048K", cpu)
+        _fake_cache(tmp_path, cpu, 3, 3, "Unified", "32M", "0-1" if cpu < 2 else "2-3")
+    assert last_level_cache_bytes(tmp_path) == 64 * 2**20
+    assert last_level_cache_bytes(tmp_path / "nothing") is None
+
+
+def test_stream_arrays_are_four_times_the_last_level_cache():
+    """STREAM's rule: each array at least 4 x the last-level caches (this machine's 260 MiB L3:
+    1040 MiB per array; the probe before used 128 MiB arrays, half the L3); at least 128 MiB;
+    at most an eighth of the available memory each."""
+    assert stream_numel(260 * 2**20, 64 * 2**30) * 4 == 1040 * 2**20
+    assert stream_numel(8 * 2**20, 64 * 2**30) == 1 << 25
+    assert stream_numel(260 * 2**20, 4 * 2**30) * 4 == 512 * 2**20
+    with pytest.raises(ValueError, match="llc_bytes must be positive, got 0"):
+        stream_numel(0)
+
+
+def test_stream_kernels_count_the_write_allocate(monkeypatch):
+    """Bytes per fp32 element: copy and scale 12 (STREAM's 8 + the write-allocate read of the
+    line stored), add and triad 16 (12 + 4), DAXPY 12 (in place: nothing to allocate). A clock
+    that advances 0.5 s per reading makes every run 0.5 s long."""
+    import itertools
+
+    import offload_compiler.calibrate as cal
+
+    clock = itertools.count(step=0.5)
+    monkeypatch.setattr(cal, "_probe_clock", lambda: next(clock))
+    got = stream_kernels_bytes_per_s(numel=1024, reps=2, num_threads=1)
+    assert got == {"copy": 24576.0, "scale": 24576.0, "add": 32768.0, "triad": 32768.0, "daxpy": 24576.0}
+    assert stream_bytes_per_s(numel=1024, reps=2, num_threads=1) == 32768.0
+    with pytest.raises(ValueError, match="reps must be >= 1, got 0"):
+        stream_kernels_bytes_per_s(numel=1024, reps=0)
+
+
+def test_stream_kernels_measure_this_machine():
+    """On this machine, 16 MiB arrays (in cache or not), one thread: every kernel's figure is a
+    real bandwidth, between 0.1 GB/s and 10 TB/s."""
+    got = stream_kernels_bytes_per_s(numel=1 << 22, reps=3, num_threads=1)
+    assert set(got) == {"copy", "scale", "add", "triad", "daxpy"}
+    for name, value in got.items():
+        assert 1e8 < value < 1e13, name
