@@ -2,9 +2,9 @@
 RTX 4090 and H100 SXM figures, with the host optimizer update in the predicted step.
 
 The host is assumed, not measured: 16 cores sustaining ``--host-bandwidth`` bytes/s (default
-60 GB/s, a two-channel DDR5 workstation's STREAM triad), the AdamW update at the fraction of the
-bandwidth floor measured for torch's fused CPU kernel on the development machine
-(``offload_compiler.devices.FUSED_FRACTION_OF_FLOOR``). Three configurations per device:
+60 GB/s, a two-channel DDR5 workstation's STREAM triad), the AdamW update at an assumed fraction
+of the bandwidth floor for torch's fused CPU kernel (``offload_compiler.devices.FUSED_FRACTION_OF_FLOOR``,
+0.9: an assumption, see its comment for what has been measured). Three configurations per device:
 ``CPUOptimizer()`` defaults (torch's for-loop, update at ``step()``), ``implementation="fastest"``
 with ``overlap="backward"``, and the same with ``optimizer_on_device="auto"``. Every figure is a
 cost-model prediction, not a GPU measurement.

@@ -15,18 +15,20 @@ update): ``host_bytes_per_s``, the sustained host-memory bandwidth (as
 :func:`offload_compiler.calibrate.stream_bytes_per_s` measures it: the best of STREAM's kernels,
 J. McCalpin, "STREAM: Sustainable Memory Bandwidth in High Performance Computers", and STREAM2's
 in-place DAXPY, over arrays of 4 x the last-level cache, counting the write-allocate read of each
-line stored without being read, which STREAM leaves out), and the update's seconds per parameter. An AdamW update reads master, gradient, m and v
-and writes master, m and v: :data:`ADAMW_BYTES_PER_PARAM` = 28 bytes per fp32 parameter (7 bytes
-per byte of parameter), so its floor on a host is ``28 / host_bytes_per_s`` seconds per parameter.
-Unless measured (``python -m offload_compiler calibrate``), the update times are derived from the
-bandwidth: torch's fused CPU kernel at :data:`FUSED_FRACTION_OF_FLOOR` of the floor, its
-per-parameter for-loop (``CPUOptimizer``'s default, bit-identical to ``torch.optim``'s default on
-CPU tensors) :data:`LOOP_SLOWDOWN` times slower (both measured on the development machine,
-``bench/results/cpu_update.json``). The GPU entries assume :data:`NOMINAL_HOST`: a 16-core host
-sustaining 60 GB/s (a two-channel DDR5-5600 workstation's STREAM triad is 60-75 GB/s as STREAM
-reports it, without write-allocate traffic, so at most 4/3 of that as ``calibrate`` counts it:
-60 GB/s is the conservative end), a stated assumption, not a measurement; pass ``host_bytes_per_s`` (option or ``plan --host-bandwidth``) for
-yours.
+line stored without being read, which STREAM leaves out), and the update's seconds per
+parameter. An AdamW update reads master, gradient, m and v and writes master, m and v:
+:data:`ADAMW_BYTES_PER_PARAM` = 28 bytes per fp32 parameter (7 bytes per byte of parameter), so
+its floor on a host is ``28 / host_bytes_per_s`` seconds per parameter. Unless measured
+(``python -m offload_compiler calibrate``), the update times are derived from the bandwidth:
+torch's fused CPU kernel at :data:`FUSED_FRACTION_OF_FLOOR` of the floor, its per-parameter
+for-loop (``CPUOptimizer``'s default, bit-identical to ``torch.optim``'s default on CPU tensors)
+:data:`LOOP_SLOWDOWN` times slower. Both are assumptions, not committed measurements; their
+comment says what the committed benchmark results show and what was measured since. The GPU
+entries assume :data:`NOMINAL_HOST`: a 16-core host sustaining 60 GB/s (a two-channel DDR5-5600
+workstation's STREAM triad is 60-75 GB/s as STREAM reports it, without write-allocate traffic, so
+at most 4/3 of that as ``calibrate`` counts it: 60 GB/s is the conservative end), a stated
+assumption, not a measurement; pass ``host_bytes_per_s`` (option or ``plan --host-bandwidth``)
+for yours.
 """
 
 from __future__ import annotations
@@ -60,9 +62,22 @@ PCIE_PRACTICAL_BYTES_PER_S = {3: 12 * GB, 4: 25 * GB, 5: 50 * GB}
 
 # AdamW's memory traffic per fp32 parameter: reads master, grad, m, v; writes master, m, v.
 ADAMW_BYTES_PER_PARAM = 28
-# Measured on the development machine (bench/results/cpu_update.json, 200M fp32 parameters):
-# torch's fused CPU AdamW reaches this fraction of the bandwidth floor, and its for-loop
-# (torch's default on CPU tensors, run by CPUOptimizer in cache-sized pieces) is this much slower.
+# Assumptions for an uncalibrated host (a stated bandwidth; the GPU entries' NOMINAL_HOST):
+# torch's fused CPU AdamW runs at FUSED_FRACTION_OF_FLOOR of the bandwidth floor, and its
+# for-loop (torch's default on CPU tensors, run by CPUOptimizer in cache-sized pieces) takes
+# LOOP_SLOWDOWN times as long. No committed result supports them (an earlier comment cited a
+# cpu_update.json in bench/results, which was never committed). What the committed results show
+# (bench/results/cpu_update_50M.json and cpu_update_200M.json, 2026-12-01, 2 threads, load average
+# 12-14 on this 2-core machine): no usable fraction of the floor, since their floor was the median
+# of a 12-byte triad under that load (1.33 and 1.89 GB/s) and put torch's fused AdamW at 1.38x and
+# 1.77x "of the floor", CPUOptimizer(implementation="fastest") at 2.74x and 1.60x, impossible for
+# an honest floor; and CPUOptimizer's for-loop in pieces at 0.96x (50M) and 1.10x (200M) the time
+# of its fused path, against LOOP_SLOWDOWN's 3x (torch's own for-loop, not in pieces: 9.6x and
+# 8.9x). Measured since on the same machine (2026-12-05, not committed; 50M parameters in 16
+# tensors, 2 threads, the floor from calibrate.stream_bytes_per_s, interleaved rounds):
+# fused AdamW (torch's fused=True, CPUOptimizer(implementation="fastest")) at 0.64-0.68 of the
+# floor (medians) with load average 4-5, CPUOptimizer's at 0.88 with 2.3; its for-loop in pieces
+# 3.2x its fused time (228 vs 71 ms, 200 vs 63 ms).
 FUSED_FRACTION_OF_FLOOR = 0.9
 LOOP_SLOWDOWN = 3.0
 # The host assumed for the GPU entries (see the module docstring): cores, bytes/s.
