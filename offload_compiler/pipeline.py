@@ -838,6 +838,8 @@ class CompileSession:
             if self.options.offload == "activations":
                 cap = self.step.ledger.kept_cap(self.step.key)
         self.kept_cap_bytes = cap
+        if self.reuse is None:
+            self.reuse = self._predicted_reuse(pair)
         reuse = self.reuse
         if reuse is not None:
             held = (held[0] + reuse.held_bytes, held[1] + reuse.held_unplanned_bytes, held[2])
@@ -863,6 +865,32 @@ class CompileSession:
             reuse_count=reuse.runs if reuse is not None else 1,
             kept_cap_bytes=cap,
         )
+
+    def _predicted_reuse(self, pair: GraphPair):
+        """The :class:`~offload_compiler.step_budget.StepReuse` that the module structure predicts
+        for this pair at its compile (``StepPair.predicted_runs``, :func:`.step_budget.predict_runs`:
+        a block graph that N identical blocks compiled alike will run), or ``None``: N runs, the
+        N - 1 earlier runs holding their inputs (the forward's inputs other than parameters and
+        buffers, on the device) besides their kept saved activations, which the plan decides.
+        Only with ``offload="activations"`` (parameter offload is planned for one run)."""
+        step = self.step
+        if step is None or step.predicted_runs < 2 or self.options.offload != "activations" or self.param_slots:
+            return None
+        from .step_budget import StepReuse
+
+        static = set(pair.static_input_indices)
+        inputs = 0
+        for i, n in enumerate(pair.forward.graph.find_nodes(op="placeholder")):
+            val = n.meta.get("val")
+            if i in static or not isinstance(val, torch.Tensor) or val.device != self.device:
+                continue
+            try:
+                inputs += int(val.numel()) * val.element_size()
+            except Exception:  # noqa: BLE001  (a size without a hint: left to the first step's check)
+                continue
+        runs = step.predicted_runs
+        held = (runs - 1) * inputs
+        return StepReuse(runs, held, held, predicted=step.predicted_why)
 
     def _assign_streams(
         self, pair: GraphPair, costs: cost_model.Costs, planned_peak: int
@@ -1129,8 +1157,14 @@ class CompileSession:
                 lowest = the_plan.predictions.lowest_reachable_peak_bytes
                 step_unplanned = max(the_plan.predictions.unplanned_peak_bytes, self.step_held[2])
                 if runs > 1:
+                    predicted = self.reuse.predicted if self.reuse is not None else None
+                    source = (
+                        f"{predicted}; the first step's check corrects a wrong count"
+                        if predicted
+                        else "measured in the first step"
+                    )
                     held_text = (
-                        f"This graph runs {runs} times per step (measured in the first step): while its last run "
+                        f"This graph runs {runs} times per step ({source}): while its last run "
                         f"runs, its {runs - 1} earlier runs keep {the_plan.reuse_held_bytes} bytes of saved "
                         f"activations under the lowest-peak plan, and the rest of the step (the earlier runs' inputs "
                         f"and parameters, other graph pairs) holds {the_plan.model_state.held_bytes} bytes"
@@ -1266,6 +1300,7 @@ class CompileSession:
             decisions=plan_recompute.decisions(joint),
             fits_without_plan=joint.recompute.fits_without_plan,
             accumulated_grad_bytes=self.accumulated_grad_bytes,
+            reuse_predicted=(self.reuse.predicted if self.reuse is not None and runs > 1 else None),
         )
         if dumper:
             dumper.text("report.json", report.to_json())

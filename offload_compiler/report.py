@@ -132,11 +132,18 @@ class TrinityReport:
         peak_step_planned: the joint-schedule step (forward nodes, then backward nodes, as
             planned before the rewrite) where the planned peak is.
         reuse_count: the runs of this pair alive at once in one training step that the plan
-            covers: N for a block graph run by N blocks (``F1 .. FN BN .. B1``), measured by the
-            runtime check of the first step, which plans the pair again for them; 1 before that
-            (the compile happens at the first block's call). The budget then covers the N runs:
+            covers: N for a block graph run by N blocks (``F1 .. FN BN .. B1``), predicted at the
+            compile (the first block's call) from the module structure where it can be
+            (``reuse_predicted``), and measured by the runtime check of the first step, which
+            plans the pair again where the count differs; 1 where neither has shown more runs
+            yet. The budget then covers the N runs:
             ``peak_bytes_planned`` is the last run's own peak plus what the earlier runs and the
             rest of the step hold.
+        reuse_predicted: where ``reuse_count`` was predicted at the compile from the module
+            structure (identical blocks compiled alike,
+            :func:`offload_compiler.step_budget.predict_runs`) and not measured yet, the reason;
+            ``None`` otherwise. The first step's check measures the count and plans the pair
+            again where it differs.
         reuse_measured: the reuse count the runtime check measured (``None``: not measured yet,
             or ``runtime_check="off"``); above ``reuse_count`` where the pair was not planned
             again (``runtime_check="measure"``, parameter offload).
@@ -191,6 +198,7 @@ class TrinityReport:
     reuse_measured: int | None = None
     reuse_held_bytes: int = 0
     held_bytes: int = 0
+    reuse_predicted: str | None = None
     accumulated_grad_bytes: int = 0
 
     @classmethod
@@ -394,7 +402,12 @@ class TrinityReport:
                 )
             else:
                 covers = f"the plan covers {self.reuse_count} run(s) at a time; not planned again"
-            lines.append(f"  reuse      run {runs} times per step (measured in the first step); {covers}")
+            source = (
+                self.reuse_predicted
+                if self.reuse_predicted and self.reuse_measured is None
+                else "measured in the first step"
+            )
+            lines.append(f"  reuse      run {runs} times per step ({source}); {covers}")
         if self.accumulated_grad_bytes:
             lines.append(
                 f"  gradients  {format_bytes(self.accumulated_grad_bytes)} of its parameters' gradients from an earlier "

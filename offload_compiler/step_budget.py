@@ -38,12 +38,16 @@ compile, ``fully_shard(block); block.compile(...)``, or any ``block.compile()`` 
 same code) runs ``F1 .. FN BN .. B1`` in one step. While run ``i`` runs, the runs before it hold
 what they keep for their backward, so the worst is the last: its own peak plus ``N - 1`` times
 the saved activations one run keeps (and the earlier runs' inputs, and their parameters where
-they stay allocated). The compile happens at the first block's call, when ``N`` is unknown: the
-runtime check of the first step (``step_check.py``) counts the runs of the pair alive at once
-and what other trinity pairs' runs outside its ledger hold beside its last run
-(:class:`StepReuse`), and, when that is more than the plan assumed, plans the pair again with it
-as a planning input (``ModelState.reuse_count``, ``pipeline.plan_pair``), so that own peak +
-``(N - 1)`` x kept + what the others hold is within the budget. A percentage is then of the
+they stay allocated). The compile happens at the first block's call, before any block ran:
+:func:`predict_runs` predicts ``N`` there from the module structure (the blocks of the calling
+module of the same class and shapes, compiled alike), so that the first step already runs a plan
+for the ``N`` runs (a :class:`StepReuse` with ``predicted`` set, a planning input:
+``ModelState.reuse_count``, ``pipeline.plan_pair``) and a budget they cannot reach is refused at
+that compile. The runtime check of the first step (``step_check.py``) counts the runs of the pair
+alive at once and what other trinity pairs' runs outside its ledger hold beside its last run
+(:class:`StepReuse`), and, when that is more than the plan assumed (nothing predicted: blocks
+called outside any module), or differs from a prediction, plans the pair again with it, so that
+own peak + ``(N - 1)`` x kept + what the others hold is within the budget. A percentage is then of the
 step's unplanned peak: the pair's own plus ``N - 1`` unplanned runs' kept saved activations plus
 the others'. Later pairs of the same ledger see all ``N`` runs' kept activations and inputs.
 
@@ -94,8 +98,9 @@ one by one and run outside any module gathers the blocks' ledgers.
 **What it does not cover** (see README "Distributed"): memory outside the compiled graphs (eager
 code between them, the optimizer's state, FSDP2's all-gather and reduce-scatter buffers; FSDP2's
 sharded parameters and gradients count as their local shards); pairs that do not run in compile order (except the runs of other pairs that
-the first step's check sees beside a pair's run); a reused pair's ``N`` is what the first
-measured step showed (a step with more runs later is not seen), and it is replanned only with
+the first step's check sees beside a pair's run); a reused pair's ``N`` is predicted at its
+compile where the module structure shows it, else (and where the prediction was wrong) what the
+first measured step showed (a step with more runs later is not seen), and it is replanned only with
 ``runtime_check="replan"`` (the default) and ``offload="activations"``; earlier pairs are
 capped for a later one (above) only with the same options, not for a later pair run N times per
 step, and the step during which a cap is decided runs above the budget; and
@@ -122,6 +127,7 @@ __all__ = [
     "StepReuse",
     "accumulated_grad_bytes",
     "join_step",
+    "predict_runs",
     "step_report",
 ]
 
@@ -145,11 +151,15 @@ class StepReuse:
             ledger counts gradients), and the runs of other trinity pairs that the step ledger
             does not count (their kept saved activations and inputs, under their plans).
         held_unplanned_bytes: the same with the other pairs' saved activations all kept.
+        predicted: ``None`` where the figures were measured; where they were predicted at the
+            compile from the module structure (:func:`predict_runs`, before any run), the reason,
+            for reports and messages (``"4 Block modules in Blocks compiled alike, ..."``).
     """
 
     runs: int = 1
     held_bytes: int = 0
     held_unplanned_bytes: int = 0
+    predicted: str | None = None
 
     def __post_init__(self):
         if self.runs < 1:
@@ -159,7 +169,8 @@ class StepReuse:
                 raise ValueError(f"StepReuse.{name} must be >= 0, got {getattr(self, name)}")
 
     def merged(self, other: StepReuse | None) -> StepReuse:
-        """The larger of each figure (what either measured step showed)."""
+        """The larger of each figure (what either measured step showed); a measurement
+        (``predicted`` ``None``)."""
         if other is None:
             return self
         return StepReuse(
@@ -572,6 +583,9 @@ class StepPair:
             the step follow (the code after the break).
         compiled_alone: the module owning its parameters was compiled on its own
             (``module.compile()``: a block that identical blocks may run the graph of).
+        predicted_runs: the runs of the pair alive at once in one step as predicted at its
+            compile from the module structure (:func:`predict_runs`; 1: none predicted).
+        predicted_why: the reason for ``predicted_runs`` (empty with 1).
     """
 
     ledger: StepLedger
@@ -581,6 +595,8 @@ class StepPair:
     split: tuple[int, int] | None = None
     graph_break: bool = False
     compiled_alone: bool = False
+    predicted_runs: int = 1
+    predicted_why: str = ""
 
     @property
     def more_coming(self) -> bool:
@@ -735,7 +751,115 @@ def join_step(gm, example_inputs, engine) -> StepPair | None:
         if k > 1:
             label += f" (graph {k} of the frame)"
     alone = ddp is None and getattr(roots[0], "_compiled_call_impl", None) is not None
-    return StepPair(ledger, key, label, {id(p): p for p in params.values()}, split, graph_break, alone)
+    runs, why = (1, "") if ddp is not None else predict_runs(roots[0], holder, example_inputs, params)
+    return StepPair(ledger, key, label, {id(p): p for p in params.values()}, split, graph_break, alone, runs, why)
+
+
+def _compile_signature(module: torch.nn.Module, wrappers: dict[int, torch.nn.Module]) -> tuple | None:
+    """How ``module`` was compiled on its own: ``(backend name, torch.compile's keyword
+    arguments)``, read from ``module.compile()``'s ``_compiled_call_impl`` or from the
+    ``OptimizedModule`` in ``wrappers`` (id of its ``_orig_mod`` -> wrapper) that wraps it
+    (``torch.compile(block)``); ``("?", None)`` where it was but the backend cannot be read (a
+    torch without ``_TorchCompileWrapper``), ``None`` where it was not compiled on its own.
+    Dynamo runs one compiled graph for two modules only when their backends compare equal: the
+    same backend with the same options (another option compiles another graph)."""
+    fn = getattr(module, "_compiled_call_impl", None)
+    callbacks = []
+    if fn is not None:
+        callbacks = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _cell_set(c)]
+    elif id(module) in wrappers:
+        callbacks = [getattr(getattr(wrappers[id(module)], "dynamo_ctx", None), "callback", None)]
+    else:
+        return None
+    for cb in callbacks:
+        seen = 0
+        while cb is not None and seen < 8:
+            if hasattr(cb, "compiler_name") and hasattr(cb, "kwargs"):
+                return (cb.compiler_name, cb.kwargs)
+            cb = getattr(cb, "_torchdynamo_orig_backend", None)
+            seen += 1
+    return ("?", None)
+
+
+def _cell_set(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018  (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+def _shape_signature(module: torch.nn.Module) -> tuple:
+    """Parameter and buffer names, shapes (a DTensor's global shape), dtypes and whether they
+    need a gradient: what Dynamo's guards see of two blocks that run one compiled graph."""
+    return (
+        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()),
+        tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()),
+    )
+
+
+def predict_runs(block: torch.nn.Module, holder: torch.nn.Module, example_inputs, params: dict) -> tuple[int, str]:
+    """The runs of the pair being compiled for ``block`` that one training step will have alive
+    at once, predicted from the module structure at its compile (the first block's call), before
+    any run: ``(N, reason)``, ``(1, "")`` where nothing is predicted.
+
+    A block compiled on its own (``block.compile(...)``, ``torch.compile(block)`` in its parent,
+    FSDP2's per-block compile) gives one Dynamo graph that every identical block compiled the
+    same way runs (``F1 .. FN BN .. B1``). The siblings are the modules of ``holder`` (the module
+    whose forward calls the blocks, :func:`_enclosing_module`) of ``block``'s class, with its
+    parameter and buffer shapes, compiled with the same backend and options
+    (:func:`_compile_signature`); the graph compiling at ``block``'s call runs for ``block`` and
+    the siblings after it in module order (taken as the call order): N of them. Predicted only
+    where some input other than the parameters needs a gradient: a block whose input needs none
+    (the first of a chain, on the step's input) compiles a graph of its own, which the blocks after
+    it, whose inputs need gradients, do not run (they compile another one, predicted there).
+
+    A wrong prediction (blocks called in another order, some not called, run apart in the step)
+    is corrected by the runtime check of the first step, which measures the runs alive at once
+    and plans the pair again for them (``step_check.py``); until then the plan covers N runs.
+
+    Args:
+        block: the module owning the pair's parameters (``owning_roots``).
+        holder: the outermost module running on the stack that contains ``block``.
+        example_inputs: the compile's example inputs.
+        params: input position -> real parameter (``real_parameters``).
+
+    Returns:
+        ``(N >= 1, reason)``.
+    """
+    if holder is block:
+        return 1, ""  # called from outside any module: the siblings are not known
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    try:
+        wrappers = {id(m._orig_mod): m for m in holder.modules() if isinstance(m, OptimizedModule)}
+        mine = _compile_signature(block, wrappers)
+        if mine is None:
+            return 1, ""
+        if not any(
+            isinstance(x, torch.Tensor) and x.requires_grad for i, x in enumerate(example_inputs) if i not in params
+        ):
+            return 1, ""
+        shapes = _shape_signature(block)
+        siblings = [
+            m
+            for m in holder.modules()
+            if type(m) is type(block)
+            and (m is block or (_compile_signature(m, wrappers) == mine and _shape_signature(m) == shapes))
+        ]
+    except Exception:  # noqa: BLE001  (a module that cannot be read: nothing predicted)
+        return 1, ""
+    index = next((i for i, m in enumerate(siblings) if m is block), None)
+    if index is None:
+        return 1, ""
+    runs = len(siblings) - index
+    if runs < 2:
+        return 1, ""
+    name = type(block).__name__
+    return runs, (
+        f"predicted at its compile: {len(siblings)} {name} modules in {type(holder).__name__} compiled alike"
+        + (f", of which the last {runs} run this graph" if index else "")
+    )
 
 
 def _join_by_ancestry(code, example_inputs, graph_break: bool) -> StepPair | None:

@@ -51,7 +51,9 @@ the pair's own runs alive in the window (the reuse count N), and the runs of oth
 among the autograd ancestors of its inputs (the same step's earlier pairs, such as the first
 block's own graph, whose input needs no gradient) that the step ledger does not count, with their
 kept saved activations, inputs and the parameters still allocated. When that is more than the
-plan assumed (a :class:`~offload_compiler.step_budget.StepReuse`), the pair is planned again, by
+plan assumed (a :class:`~offload_compiler.step_budget.StepReuse`), or differs from the count
+that the compile predicted from the module structure (:func:`~offload_compiler.step_budget.predict_runs`:
+fewer runs too), the pair is planned again, by
 the same recompile, with it as a planning input: the planner then meets own peak + (N - 1) x kept
 + held <= budget (``earlier_runs`` in :mod:`.passes.plan_window` and :mod:`.passes.plan_recompute`),
 and a percentage is of that step's unplanned peak. The measurement itself stays that of the
@@ -83,8 +85,8 @@ time, from Dynamo's graph. Three ways were weighed:
    measured workspace breaks the budget.
 
 So the first step of a plan whose measurement breaks the budget is itself above it: the check
-finds the miss, it cannot undo it (for a reused block graph too: the first step runs the plan made
-for one run). Not measured: a call while a profiler is already on (measured at a later step
+finds the miss, it cannot undo it (for a reused block graph too, where the compile could not
+predict its runs: the first step then runs the plan made for one run). Not measured: a call while a profiler is already on (measured at a later step
 instead), forwards without a backward. Not replanned: parameter offload (``offload`` other than
 ``"activations"``; measured and reported only, a reused pair warned about). With dynamic shapes the
 margins are the bytes measured at the first sizes. A backward that raises on a CUDA device thread
@@ -850,19 +852,24 @@ class CheckedCompile:
             explained = over and m.extra_bytes > 0 and m.predicted_with_margins_bytes > max(budget, own_planned)
             # A pair run several times per step (or beside other pairs' runs the ledger does not
             # count) holds more than its plan assumed: plan again for what the step showed.
-            reuse_due = (
-                seen is not None and old.budget_bytes is not None and seen.exceeds(planned_reuse, MIN_TRANSIENT_BYTES)
-            )
+            measured_step = seen is not None and old.budget_bytes is not None
+            more = measured_step and seen.exceeds(planned_reuse, MIN_TRANSIENT_BYTES)
+            # A count predicted at the compile from the module structure (step_budget.predict_runs)
+            # is replaced by the measured one where they differ: more runs (or more held beside
+            # them) as above, or fewer (the plan then keeps more on the device, still in budget).
+            predicted = planned_reuse is not None and planned_reuse.predicted is not None
+            fewer = measured_step and predicted and seen.runs < planned_reuse.runs
+            reuse_due = more or fewer
             can_replan = self._mode == "replan" and self._recompile is not None and self._replans < MAX_REPLANS
             if (explained or reuse_due) and can_replan:
                 self._due = m
-                self._due_reuse = seen.merged(planned_reuse) if reuse_due else None
+                self._due_reuse = (seen if predicted else seen.merged(planned_reuse)) if reuse_due else None
                 self._state = "replan"
                 return
             self._state = "done"
         self._settle_provisional(seen)
         self._resolve_waiting()
-        if reuse_due and not self._reuse_warned:
+        if more and not self._reuse_warned:
             self._reuse_warned = True
             if self._mode != "replan":
                 why = "runtime_check='measure'"

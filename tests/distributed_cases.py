@@ -388,7 +388,13 @@ def fsdp_run(budget="50%", cpu_offload: bool = False, mode: str = "activations")
     result = {
         "runs": [p.runs for p in report.pairs] if report else [],
         "reports": [
-            {"reuse_count": r.reuse_count, "reuse_measured": r.reuse_measured, "budget_bytes": r.budget_bytes}
+            {
+                "reuse_count": r.reuse_count,
+                "reuse_measured": r.reuse_measured,
+                "reuse_predicted": r.reuse_predicted,
+                "replanned": r.correction is not None,
+                "budget_bytes": r.budget_bytes,
+            }
             for r in offload_compiler.reports()[before:]
         ],
     }

@@ -152,9 +152,15 @@ def test_fsdp2_per_block_compile_matches_fsdp2(results):
     r = ok(results, "fsdp_blocks")
     assert r["loss_rel_err"] <= 1e-6 and r["param_rel_err"] <= 1e-6 and r["rank_max_diff"] == 0
     # The first block compiles its own graph (its input needs no gradient); the other three run
-    # one block graph, whose 3 runs per step the first step's check counted and planned for.
+    # one block graph, whose 3 runs per step its compile predicted from the module structure (the
+    # 4 FSDP2 blocks compiled alike, from the second on) and the first step's check confirmed:
+    # planned for them from the first step on, not planned again.
     assert r["runs"] == [1, 3], r["step_summary"]
     assert [x["reuse_measured"] for x in r["reports"]] == [1, 3]
+    first, block = r["reports"]
+    assert first["reuse_predicted"] is None
+    assert "4 FSDPBlock modules" in block["reuse_predicted"] and "the last 3 run this graph" in block["reuse_predicted"]
+    assert not block["replanned"]
     # "50%" is of the whole step's unplanned peak (the block graph's 3 runs and the first block's
     # beside them), and the step's measured peak is within it.
     assert r["budget_bytes"] == max(x["budget_bytes"] for x in r["reports"])

@@ -252,14 +252,21 @@ def _saved(model, io):
 REUSE_BUDGET = 12_000_000
 
 
-def train_blocks(budget, backend="trinity", n=4, rows=REUSE_ROWS, input_grad=True, **options):
-    """Each block compiled on its own; three unmeasured steps (the first step's check measures and
-    replans, the second measures the new plan), then one measured. Returns (model, measurement,
-    gradients of the parameters and the input, reports of its pairs)."""
+class _FirstTwo(Blocks):
+    """Four identical compiled blocks of which the forward runs only the first two: the module
+    structure predicts 4 runs per step, the step has 2."""
+
+    def forward(self, x):
+        for b in self.blocks[:2]:
+            x = b(x)
+        return x.sum()
+
+
+def build_blocks(budget, backend="trinity", n=4, rows=REUSE_ROWS, input_grad=True, model_cls=Blocks, **options):
+    """``model_cls(n)`` with each block compiled on its own, and its input."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Blocks(n)
-    before = len(offload_compiler.reports())
+    model = model_cls(n)
     opts = {"inner": "eager", "memory_budget": budget, "min_offload_bytes": 0, **options}
     for b in model.blocks:
         if backend == "trinity":
@@ -267,9 +274,31 @@ def train_blocks(budget, backend="trinity", n=4, rows=REUSE_ROWS, input_grad=Tru
         else:
             b.compile(backend=backend)
     x = torch.randn(rows, REUSE_WIDTH, generator=torch.Generator().manual_seed(1), requires_grad=input_grad)
+    return model, x
+
+
+def blocks_step(model, x, outside=False):
+    """One training step. ``outside``: the blocks are called from this function, not from the
+    model's forward (no module on the stack holds them: nothing to predict their runs from)."""
+    if outside:
+        h = x
+        for b in model.blocks:
+            h = b(h)
+        h.sum().backward()
+    else:
+        model(x).backward()
+
+
+def train_blocks(budget, backend="trinity", n=4, rows=REUSE_ROWS, input_grad=True, outside=False, **options):
+    """Each block compiled on its own; three unmeasured steps (the first step's check measures and
+    replans where the step showed other runs than planned, the second measures the new plan), then
+    one measured. Returns (model, measurement, gradients of the parameters and the input, reports
+    of its pairs)."""
+    before = len(offload_compiler.reports())
+    model, x = build_blocks(budget, backend, n, rows, input_grad, **options)
 
     def step():
-        model(x).backward()
+        blocks_step(model, x, outside)
 
     for _ in range(3):
         step()
@@ -293,18 +322,70 @@ def check_equal(grads, ref_grads):
 
 
 def test_reused_block_graph_without_replanning_breaks_the_step_budget(blocks_reference):
-    """The control: planned for one run (the pair's plan at compile time, what the measure-only
+    """The control: blocks called from a plain loop, outside any module, give nothing to predict
+    their runs from; planned for one run (the pair's plan at compile time, what the measure-only
     check keeps), the block graph fits the budget, and the step with its 4 runs does not."""
     ref_peak, ref_grads = blocks_reference
     assert ref_peak > REUSE_BUDGET + PEAK_SLACK_BYTES
     with pytest.warns(UserWarning, match=r"ran this graph 4 times at once.*runtime_check='measure'"):
-        model, m, grads, reps = train_blocks(REUSE_BUDGET, runtime_check="measure")
+        model, m, grads, reps = train_blocks(REUSE_BUDGET, runtime_check="measure", outside=True)
     check_equal(grads, ref_grads)
     (r,) = reps
-    assert r.reuse_count == 1 and r.reuse_measured == 4 and r.correction is None
+    assert r.reuse_count == 1 and r.reuse_measured == 4 and r.correction is None and r.reuse_predicted is None
     assert r.peak_bytes_planned <= r.budget_bytes == REUSE_BUDGET
     assert "plan covers 1 run(s)" in r.summary()
     assert m.peak_bytes > REUSE_BUDGET + PEAK_SLACK_BYTES
+
+
+@pytest.mark.filterwarnings("ignore:.*has not measured this pair's first step")  # step 1 runs under the profiler
+@pytest.mark.parametrize("runtime_check", ["replan", "measure"])
+def test_reused_block_graph_first_step_is_planned_for_its_runs(blocks_reference, runtime_check):
+    """The compile (at the first block's call) predicts the 4 runs from the module structure
+    (4 identical blocks compiled alike in the model that calls them): the first step already runs
+    the plan made for them, within the budget (before: 19,733,000 bytes measured against
+    12,000,000, the plan made for one run), with or without the runtime check's replanning."""
+    ref_peak, ref_grads = blocks_reference
+    before = len(offload_compiler.reports())
+    model, x = build_blocks(REUSE_BUDGET, on_infeasible="error", runtime_check=runtime_check)
+    resident = list(model.parameters()) + [x]
+    first = measure_peak_device_bytes(lambda: blocks_step(model, x), resident=resident, device="cpu")
+    (r,) = offload_compiler.reports()[before:]
+    assert r.reuse_count == 4 and "4 Block modules in Blocks compiled alike" in r.reuse_predicted, r.summary()
+    assert "predicted at its compile" in r.summary()
+    assert r.feasible and r.num_evicted > 0 and r.peak_bytes_planned <= REUSE_BUDGET
+    assert ref_peak > REUSE_BUDGET + PEAK_SLACK_BYTES
+    assert first.peak_bytes <= REUSE_BUDGET + PEAK_SLACK_BYTES, r.summary()
+    # The next steps: the check measures the 4 runs the compile predicted, so no replan.
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        blocks_step(model, x)
+    (r,) = offload_compiler.reports()[before:]
+    assert r.reuse_measured == 4 and r.reuse_count == 4 and r.correction is None, r.summary()
+    assert "measured in the first step" in r.summary()
+    check_equal([p.grad for p in model.parameters()] + [x.grad], ref_grads)
+
+
+def test_mispredicted_runs_are_corrected_by_the_first_step():
+    """Four identical compiled blocks of which the forward runs two: predicted 4 runs at the
+    compile, the first step's check measures 2 and plans the graph again for them (it keeps more
+    on the device than the plan for 4)."""
+    before = len(offload_compiler.reports())
+    model, x = build_blocks(6_500_000, model_cls=_FirstTwo, rows=1024, on_infeasible="error")
+    for _ in range(3):
+        blocks_step(model, x)
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+    m = measure_peak_device_bytes(lambda: blocks_step(model, x), resident=list(model.parameters()) + [x], device="cpu")
+    reps = offload_compiler.reports()[before:]
+    (r,) = reps
+    assert r.reuse_count == r.reuse_measured == 2 and r.reuse_predicted is None, r.summary()
+    assert r.correction is not None and r.correction.reuse_count == 2 and r.correction.replans == 1
+    # Planned for 4 runs, the compile's plan offloaded all 3 candidates (its lowest-peak plan: the
+    # 3 earlier runs keep no saved activations); planned for the 2 runs, fewer, and the earlier
+    # run keeps some.
+    assert r.num_evicted < 3 and r.reuse_held_bytes > 0, r.summary()
+    assert r.feasible and m.peak_bytes <= 6_500_000 + PEAK_SLACK_BYTES
 
 
 @pytest.mark.parametrize("budget", [REUSE_BUDGET, "60%"])
@@ -315,9 +396,10 @@ def test_reused_block_graph_is_planned_for_its_runs_per_step(blocks_reference, b
     (r,) = reps  # one graph, run by all four blocks
     # Measured across the step, all 4 runs, within the budget.
     assert m.peak_bytes <= r.budget_bytes + PEAK_SLACK_BYTES, r.summary()
-    # The first step's check counted 4 runs alive at once and planned the pair again for them.
-    assert r.reuse_count == r.reuse_measured == 4, r.summary()
-    assert r.correction is not None and r.correction.reuse_count == 4 and r.correction.replans == 1
+    # Planned for the 4 runs at the compile (predicted), and the first step's check counted 4
+    # runs alive at once: nothing to plan again.
+    assert r.reuse_count == r.reuse_measured == 4 and r.reuse_predicted is not None, r.summary()
+    assert r.correction is None
     assert "run 4 times per step" in r.summary() and "the budget covers the 4 runs" in r.summary()
     assert r.feasible and r.num_evicted > 0
     # The planned peak is the last run's own plus what the 3 earlier runs and the rest hold.
@@ -336,17 +418,44 @@ def test_reused_block_graph_is_planned_for_its_runs_per_step(blocks_reference, b
     assert "run 4 times per step" in report.summary()
 
 
-def test_reused_block_graph_infeasible_names_the_lowest_step_budget():
-    with pytest.raises(InfeasibleBudgetError) as info:
-        train_blocks("40%", on_infeasible="error")
-    msg = str(info.value)
-    assert "ran this graph 4 times at once" in msg and "runs 4 times per step" in msg
+def test_reused_block_graph_measured_runs_are_planned_for_without_a_prediction(blocks_reference):
+    """Blocks called outside any module (nothing predicted): the first step's check counts the 4
+    runs alive at once and plans the pair again for them, from the second step on."""
+    ref_peak, ref_grads = blocks_reference
+    model, m, grads, reps = train_blocks(REUSE_BUDGET, on_infeasible="error", outside=True)
+    check_equal(grads, ref_grads)
+    (r,) = reps
+    assert r.reuse_count == r.reuse_measured == 4 and r.reuse_predicted is None
+    assert r.correction is not None and r.correction.reuse_count == 4 and r.correction.replans == 1
+    assert m.peak_bytes <= REUSE_BUDGET + PEAK_SLACK_BYTES, r.summary()
+
+
+def test_reused_block_graph_infeasible_is_refused_at_its_compile():
+    """Predicted at the compile, a budget the 4 runs cannot reach is refused there, at the first
+    block's call of the first step (before: at the second step's first call, after the first
+    step ran above the budget)."""
+    model, x = build_blocks("40%", on_infeasible="error")
+    with pytest.raises(Exception) as info:
+        model(x)  # the first block's call compiles the graph
+    inner = getattr(info.value, "inner_exception", info.value)
+    assert isinstance(inner, InfeasibleBudgetError), inner
+    msg = str(inner)
+    assert "runs 4 times per step (predicted at its compile: 4 Block modules in Blocks compiled alike" in msg
     match = re.search(r"memory_budget='([0-9.]+%)' of the step's peak", msg)
     assert match, msg
     # The percentage it names runs.
     _, m, _, reps = train_blocks(match.group(1), on_infeasible="error")
     assert reps[-1].feasible and reps[-1].reuse_count == 4
     assert m.peak_bytes <= reps[-1].budget_bytes + PEAK_SLACK_BYTES
+
+
+def test_reused_block_graph_infeasible_without_a_prediction_names_the_lowest_step_budget():
+    with pytest.raises(InfeasibleBudgetError) as info:
+        train_blocks("40%", on_infeasible="error", outside=True)
+    msg = str(info.value)
+    assert "ran this graph 4 times at once" in msg and "runs 4 times per step (measured" in msg
+    match = re.search(r"memory_budget='([0-9.]+%)' of the step's peak", msg)
+    assert match, msg
 
 
 def test_many_runs_before_the_first_backward_are_counted():
