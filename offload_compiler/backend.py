@@ -212,12 +212,16 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
     # other runs of the pair, a reused block graph's, keep allocated).
     session.param_positions = tuple(sorted(params))
     # The gradients the pair's parameters hold from an earlier backward (gradient accumulation):
-    # what the runtime check saw at a later call, or what is there now. Not with an "auto"
-    # budget (the free memory, which they have already taken) or none.
-    if opts.memory_budget.kind in ("bytes", "fraction"):
-        from .step_budget import accumulated_grad_bytes
+    # what the runtime check saw at a later call, or what is there now. Not planned for with an
+    # "auto" budget (the free memory, which they have already taken) or none; there the step
+    # report counts those there now.
+    from .step_budget import accumulated_grad_bytes
 
-        session.accumulated_grad_bytes = max(grad_bytes, accumulated_grad_bytes(params.values(), device))
+    grads_now = accumulated_grad_bytes(params.values(), device)
+    if opts.memory_budget.kind in ("bytes", "fraction"):
+        session.accumulated_grad_bytes = max(grad_bytes, grads_now)
+    else:
+        session.reported_grad_bytes = grads_now
     from .step_budget import join_step
 
     # The training step's ledger (step_budget.py); a replan of the runtime check keeps the pair's.

@@ -797,6 +797,12 @@ class CompileSession:
         # on this pair's own that the ledger gave its plan (StepLedger.set_caps; None: none).
         self.step_held_kept = 0
         self.kept_cap_bytes: int | None = None
+        # What the step holds outside the pair as its ledger entry records it (for the step report,
+        # step_budget.StepReport): step_held with a bytes or percentage budget; with "auto" or none,
+        # which are not planned against the ledger, the ledger's holdings all the same. And its part
+        # that is the earlier pairs' kept saved activations.
+        self.step_ledger_held: tuple[int, int, int] = (0, 0, 0)
+        self.step_ledger_held_kept = 0
         # How often the pair runs at once in one step and what runs beside it, as the runtime
         # check measured the first step (step_budget.StepReuse; set by the backend's recompile).
         self.reuse = None
@@ -806,6 +812,9 @@ class CompileSession:
         # later call by the runtime check, which plans the pair again for them (step_check.py).
         # Set by the backend; 0 with an "auto" budget (the free memory, which they have taken).
         self.accumulated_grad_bytes = 0
+        # With an "auto" budget or none: those gradients as the compile saw them, counted in the
+        # step ledger's entry (the step report) only.
+        self.reported_grad_bytes = 0
         # Read by the runtime check after the plan: the forward positions of the parameter
         # inputs (set by the backend), and per run the saved activations the plan keeps on the
         # device across the forward/backward boundary, unplanned, and the non-parameter inputs
@@ -824,29 +833,37 @@ class CompileSession:
     def model_state(self, pair: GraphPair) -> ModelState:
         """The :class:`ModelState` of ``pair``: its parameter inputs that have slots
         (``offload`` other than ``"activations"``), with their slots' host bytes, what the
-        training step holds outside it (:mod:`.step_budget`; not with ``memory_budget="auto"``),
-        the gradients its own parameters hold from an earlier backward
-        (:attr:`accumulated_grad_bytes`) and, once the runtime check measured the pair running N
-        times per step (:attr:`reuse`), the reuse count and what the earlier runs and other pairs' runs hold
-        besides their kept saved activations."""
-        held = (0, 0, 0)
+        training step holds outside it (:mod:`.step_budget`; not with ``memory_budget="auto"`` or
+        none, where it is only recorded for the step report, :attr:`step_ledger_held`), the
+        gradients its own parameters hold from an earlier backward (:attr:`accumulated_grad_bytes`)
+        and, once the runtime check measured the pair running N times per step or its compile
+        predicted it (:attr:`reuse`), the reuse count and what the earlier runs and other pairs'
+        runs hold besides their kept saved activations."""
+        held = ledger = (0, 0, 0)
+        ledger_kept = 0
         cap = None
         self.step_held_kept = 0
-        if self.step is not None and self.options.memory_budget.kind in ("bytes", "fraction"):
-            held = self.step.holdings(self.options.offload)
-            self.step_held_kept = self.step.ledger.earlier_kept(self.step.key)
-            if self.options.offload == "activations":
-                cap = self.step.ledger.kept_cap(self.step.key)
+        if self.step is not None:
+            ledger = self.step.holdings(self.options.offload)
+            ledger_kept = self.step.ledger.earlier_kept(self.step.key)
+            if self.options.memory_budget.kind in ("bytes", "fraction"):
+                held, self.step_held_kept = ledger, ledger_kept
+                if self.options.offload == "activations":
+                    cap = self.step.ledger.kept_cap(self.step.key)
         self.kept_cap_bytes = cap
         if self.reuse is None:
             self.reuse = self._predicted_reuse(pair)
         reuse = self.reuse
+        extra = (0, 0)
         if reuse is not None:
-            held = (held[0] + reuse.held_bytes, held[1] + reuse.held_unplanned_bytes, held[2])
-        if self.accumulated_grad_bytes:
-            g = self.accumulated_grad_bytes
-            held = (held[0] + g, held[1] + g, held[2])
+            extra = (reuse.held_bytes, reuse.held_unplanned_bytes)
+        g = self.accumulated_grad_bytes
+        extra = (extra[0] + g, extra[1] + g)
+        held = (held[0] + extra[0], held[1] + extra[1], held[2])
         self.step_held = held
+        g = 0 if self.accumulated_grad_bytes else self.reported_grad_bytes
+        self.step_ledger_held = (ledger[0] + extra[0] + g, ledger[1] + extra[1] + g, ledger[2])
+        self.step_ledger_held_kept = ledger_kept
         static = set(pair.static_input_indices)
         params = {i: (s.id, s.host_bytes) for i, s in self.param_slots.items() if i in static}
         update = None
@@ -1047,7 +1064,7 @@ class CompileSession:
         refused (``on_infeasible="error"``) or warned about only when the caps cannot make it
         fit."""
         self.step_holding = self.step.record(
-            the_plan, self.step_held, self.step_held_kept, self.options.min_offload_bytes
+            the_plan, self.step_ledger_held, self.step_ledger_held_kept, self.options.min_offload_bytes
         )
         opts = self.options
         ledger = self.step.ledger
@@ -1120,6 +1137,12 @@ class CompileSession:
             # The earlier runs' kept saved activations, as the plan decided them, are held too.
             h = self.step_held
             self.step_held = (h[0] + the_plan.reuse_held_bytes, h[1] + the_plan.reuse_held_unplanned_bytes, h[2])
+            h = self.step_ledger_held
+            self.step_ledger_held = (
+                h[0] + the_plan.reuse_held_bytes,
+                h[1] + the_plan.reuse_held_unplanned_bytes,
+                h[2],
+            )
         seconds.update(the_plan.pass_seconds)
         act, view, joint = the_plan.activations, the_plan.activation_liveness, the_plan.joint
         if dumper:

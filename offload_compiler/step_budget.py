@@ -105,7 +105,9 @@ first measured step showed (a step with more runs later is not seen), and it is 
 capped for a later one (above) only with the same options, not for a later pair run N times per
 step, and the step during which a cap is decided runs above the budget; and
 ``memory_budget="auto"``, which is the free device memory at each pair's compile (what the
-others already hold is not free), without the ledger's holdings.
+others already hold is not free), planned without the ledger's holdings. The ledger records them
+for every budget, ``"auto"`` and none included (``CompileSession.step_ledger_held``), so
+:func:`step_report`'s predicted step peak is the step's whatever the budget.
 """
 
 from __future__ import annotations
