@@ -23,7 +23,9 @@ counts:
   the pair's forward on (:func:`accumulated_grad_bytes`). The compile sees them when they exist
   then; they mostly appear at a later call (the second micro-step, the second step), where the
   runtime check (``step_check.py``) plans the pair again with them, before that call runs (with
-  ``runtime_check="replan"`` and ``offload="activations"``; otherwise it warns with their bytes).
+  ``runtime_check="replan"`` and ``offload="activations"``; otherwise it warns with their bytes),
+  and without them again once forwards of several steps in a row found them gone
+  (``zero_grad(set_to_none=True)``: ``CheckedCompile._grads_gone``).
 
 A later pair's saved activations are never alive while pair ``i`` runs (its backward has freed
 them before ``Bi``), so planning the pairs one after another in compile order, which is forward

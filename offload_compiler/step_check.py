@@ -123,6 +123,11 @@ _ATTEMPTS = 3
 # less than this.
 MIN_TRANSIENT_BYTES = 4096
 
+# Forwards in a row, each after a backward of the pair, that must find fewer gradients held from an
+# earlier backward than the plan counts before it is planned again without them
+# (CheckedCompile._grads_gone): more than the micro-steps that hold none in an accumulation step.
+GRADS_GONE_PHASES = 3
+
 # Training calls in a row under someone else's profiler before the check warns that the first
 # step is still unmeasured (CheckedCompile._note_profiled_call).
 PROFILED_CALLS_WARN = 3
@@ -587,6 +592,14 @@ class CheckedCompile:
         self._grad_bytes = session.accumulated_grad_bytes if session is not None else 0
         self._grads_planned = self._grad_bytes  # (what the plan counted before a replan for more)
         self._grads_settled = session is None or session.options.memory_budget.kind not in ("bytes", "fraction")
+        # Forwards in a row that found fewer gradients than the plan counts ((phases, backward
+        # count at the last one, most bytes seen), _grads_gone); whether the plan was lowered for
+        # that, and whether it keeps the most from now on (they came back after a lowering).
+        self._grads_low: tuple[int, int | None, int] | None = None
+        self._grads_lowered = False
+        self._grads_keep_most = False
+        self._grads_why = ""
+        self._backwards = 0  # backwards of this pair's runs so far
         step = session.step if session is not None else None
         if step is not None and recompile is not None and mode == "replan":
             step.ledger.register_replanner(step.key, self)  # a later pair may cap this one
@@ -685,6 +698,7 @@ class CheckedCompile:
 
         def ended(grad_inputs, grad_outputs):
             run.ended = True
+            self._backwards += 1
             if run in self._window:
                 self._backward_seen = True
 
@@ -964,18 +978,25 @@ class CheckedCompile:
         ``zero_grad(set_to_none=False)``): they stay allocated through this call's forward and
         backward. Where the pair can be planned again (``runtime_check="replan"``,
         ``offload="activations"``) the new amount is kept for :meth:`_replan_for_grads` (or the
-        replan due at this call); else it warns once that the step can exceed the budget by it."""
+        replan due at this call); else it warns once that the step can exceed the budget by it.
+        Where they hold fewer than the plan counts (``zero_grad(set_to_none=True)`` freed them), the
+        pair is planned again without them once forwards of several steps showed it
+        (:meth:`_grads_gone`), so the plan does not keep counting gradients that are gone."""
         params = self._params_of(args)
-        if not any(getattr(t, "grad", None) is not None for t in params):
-            return False
         from .step_budget import _nbytes, accumulated_grad_bytes
 
-        got = accumulated_grad_bytes(params, self._session.device)
+        held = any(getattr(t, "grad", None) is not None for t in params)
+        got = accumulated_grad_bytes(params, self._session.device) if held else 0
+        can_replan = self._recompile is not None and self._mode == "replan"
+        if got < self._grad_bytes and can_replan and not self._grads_keep_most:
+            return self._grads_gone(got)
+        self._grads_low = None
         if got <= self._grad_bytes:
-            if self._grad_bytes >= sum(_nbytes(t) for t in params if t.requires_grad):
-                self._grads_settled = True  # the plan counts every gradient these parameters have
+            every = self._grad_bytes >= sum(_nbytes(t) for t in params if t.requires_grad)
+            if every and (self._grads_keep_most or not can_replan):
+                self._grads_settled = True  # the plan counts every gradient these parameters can have
             return False
-        if self._recompile is None or self._mode != "replan":
+        if not can_replan:
             self._grads_settled = True
             label = self.report.graph_id if self.report is not None else "?"
             why = "runtime_check='measure'" if self._mode != "replan" else f"offload={self._session.options.offload!r}"
@@ -989,7 +1010,39 @@ class CheckedCompile:
                 stacklevel=3,
             )
             return False
+        if self._grads_lowered:
+            # They came back after a replan without them (accumulation over more forwards than
+            # GRADS_GONE_PHASES): count the most from now on, never lowered again.
+            self._grads_keep_most = True
         self._grads_planned, self._grad_bytes = self._grad_bytes, got
+        self._grads_why = f"for the {got} bytes of gradients its parameters hold from an earlier backward"
+        return True
+
+    def _grads_gone(self, got: int) -> bool:
+        """The pair's parameters hold fewer gradients at this forward (``got`` bytes) than its
+        plan counts (``zero_grad(set_to_none=True)`` freed them, accumulation stopped): whether
+        to plan it again without them, now. Only after :data:`GRADS_GONE_PHASES` forwards in a row
+        showed fewer, each after a backward of this pair (the forwards of one step, a reused block
+        graph's N runs, count once): the first micro-step of each accumulation step holds none
+        and must not undo the plan the next micro-steps need. The plan then counts the most
+        those forwards showed; where gradients come back above it later, it is planned for them
+        again and no longer lowered (:meth:`_grads_due`)."""
+        phases, mark, most = self._grads_low or (0, None, 0)
+        if mark != self._backwards:
+            phases += 1
+        self._grads_low = (phases, self._backwards, max(most, got))
+        if phases < GRADS_GONE_PHASES:
+            return False
+        most = self._grads_low[2]
+        self._grads_low = None
+        self._grads_lowered = True
+        old = self._grad_bytes
+        self._grads_planned, self._grad_bytes = old, most
+        self._grads_why = (
+            f"without the {old - most} of the {old} bytes of gradients its plan counted, which its parameters "
+            f"no longer hold when its forward runs ({GRADS_GONE_PHASES} forwards in a row, each after a backward: "
+            "zero_grad(set_to_none=True) frees them)"
+        )
         return True
 
     def _replan_for_grads(self) -> None:
@@ -1000,9 +1053,7 @@ class CheckedCompile:
         from .pipeline import InfeasibleBudgetError
 
         try:
-            self._replan_again(
-                f"for the {self._grad_bytes} bytes of gradients its parameters hold from an earlier backward"
-            )
+            self._replan_again(self._grads_why)
         except InfeasibleBudgetError:
             self._grad_bytes = self._grads_planned
             raise

@@ -728,3 +728,45 @@ def test_an_infeasible_replan_for_gradients_is_refused_at_every_call_that_has_th
         assert lowest > 12_000_000 and lowest > held
     model.zero_grad(set_to_none=True)
     compiled(x).sum().backward()  # fits again
+
+
+def test_gradients_freed_by_zero_grad_are_no_longer_counted():
+    """The plan counted gradients held from an earlier backward (``zero_grad(set_to_none=False)``);
+    once ``zero_grad(set_to_none=True)`` frees them, forwards of 3 steps in a row (each after a
+    backward) find none, and the pair is planned again without them: it no longer offloads for
+    memory that is not there (before, it kept counting them for good)."""
+    from offload_compiler.step_check import GRADS_GONE_PHASES
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    d = ACC_WIDTH
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.GELU()) for _ in range(6)], nn.Linear(d, 1))
+    x = torch.randn(ACC_ROWS, d)
+    opts = {"inner": "eager", "memory_budget": 17_000_000, "min_offload_bytes": 0}
+    compiled = torch.compile(model, backend="trinity", options=opts)
+
+    def step():
+        compiled(x).sum().backward()
+
+    for _ in range(3):
+        step()
+        model.zero_grad(set_to_none=False)
+    held = nbytes(model.parameters())
+    with_grads = offload_compiler.last_report()
+    assert with_grads.accumulated_grad_bytes == held and with_grads.held_bytes == held, with_grads.summary()
+    for i in range(GRADS_GONE_PHASES):
+        model.zero_grad(set_to_none=True)
+        if i < GRADS_GONE_PHASES - 1:
+            step()
+            # A step or two without them could be an accumulation step's first micro-step: kept.
+            assert offload_compiler.last_report().accumulated_grad_bytes == held
+    model.zero_grad(set_to_none=True)
+    step()  # the third forward without them: planned again first
+    r = offload_compiler.last_report()
+    assert r.accumulated_grad_bytes == 0 and r.held_bytes == 0, r.summary()
+    assert "gradients from an earlier backward" not in r.summary()
+    assert step_report(model).pairs[0].held_bytes == 0
+    assert r.num_evicted < with_grads.num_evicted or r.evicted_bytes < with_grads.evicted_bytes, r.summary()
+    model.zero_grad(set_to_none=True)
+    m = measure_peak_device_bytes(step, resident=list(model.parameters()) + [x], device="cpu")
+    assert m.peak_bytes <= 17_000_000 + PEAK_SLACK_BYTES
