@@ -393,7 +393,13 @@ class TrinityReport:
             kept = "; ".join(f"{node!r}: {why}" for node, why in self.not_offloaded)
             lines.append(f"  kept       {len(self.not_offloaded)} saved tensors on the device: {kept}")
         runs = max(self.reuse_count, self.reuse_measured or 1)
-        if runs > 1:
+        if self.reuse_predicted and self.reuse_measured is not None and self.reuse_measured < self.reuse_count:
+            # Predicted more runs than the first step showed, and not planned again (measure only).
+            lines.append(
+                f"  reuse      run {self.reuse_measured} time(s) per step (measured in the first step); the plan "
+                f"covers the {self.reuse_count} runs {self.reuse_predicted}; not planned again"
+            )
+        elif runs > 1:
             if self.reuse_count == runs:
                 covers = (
                     f"the budget covers the {runs} runs: the {runs - 1} earlier runs keep "

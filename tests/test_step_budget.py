@@ -410,6 +410,22 @@ def test_mispredicted_runs_are_corrected_by_the_first_step():
     assert r.feasible and m.peak_bytes <= 6_500_000 + PEAK_SLACK_BYTES
 
 
+def test_mispredicted_runs_without_replanning_are_reported_as_measured():
+    """``runtime_check="measure"``: the plan made for the 4 predicted runs stays (within the budget,
+    for fewer runs too), and the report says the step ran 2, not 4 "measured in the first step"."""
+    before = len(offload_compiler.reports())
+    model, x = build_blocks(6_500_000, model_cls=_FirstTwo, rows=1024, runtime_check="measure")
+    for _ in range(2):
+        blocks_step(model, x)
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+    (r,) = offload_compiler.reports()[before:]
+    assert r.reuse_count == 4 and r.reuse_measured == 2 and r.correction is None
+    line = next(x for x in r.summary().splitlines() if x.strip().startswith("reuse"))
+    assert "run 2 time(s) per step (measured in the first step)" in line, line
+    assert "the plan covers the 4 runs predicted at its compile" in line and "not planned again" in line, line
+
+
 @pytest.mark.parametrize("budget", [REUSE_BUDGET, "60%"])
 def test_reused_block_graph_is_planned_for_its_runs_per_step(blocks_reference, budget):
     ref_peak, ref_grads = blocks_reference
