@@ -766,6 +766,29 @@ def _liveness_json(live: liveness.Liveness, costs: cost_model.Costs) -> dict[str
     }
 
 
+def _step_reach(step) -> str:
+    """The sentence of the training step's infeasible-budget message that names the lowest budget
+    that runs: the step's predicted peak under the plans it has (each pair above the budget at its
+    lowest-peak plan), as the ``memory_budget`` percentage of the step's unplanned peak that
+    resolves to at least it (:func:`~.passes.plan_window.lowest_budget_percent`, the helper the
+    per-pair message uses) and in bytes.
+
+    ``step``: the step's :class:`~.step_budget.StepReport` (a percentage budget, so every pair's
+    unplanned and predicted step peak is known)."""
+    lowest, unplanned = step.predicted_peak_bytes, step.unplanned_peak_bytes
+    if lowest >= unplanned:
+        return (
+            f"Offloading cannot lower the training step's peak: its lowest step peak is {lowest} bytes, the "
+            f"lowest budget that runs is memory_budget='100%' of its peak without offloading ({unplanned} bytes) "
+            f"or memory_budget={lowest} (bytes)."
+        )
+    return (
+        f"The step's lowest peak under these plans is {lowest} bytes, so the lowest budget that runs is "
+        f"memory_budget='{plan_window.lowest_budget_percent(lowest, unplanned)}' of the training step's peak "
+        f"without offloading ({unplanned} bytes), or memory_budget={lowest} (bytes)."
+    )
+
+
 class CompileSession:
     """State of one backend invocation: options, device, the transfer runtime, reports.
 
@@ -1100,7 +1123,9 @@ class CompileSession:
             f"pairs cannot stay within it, the worst {worst.label} at {worst.step_peak_bytes} bytes "
             f"({worst.own_planned_peak_bytes} its own, {worst.held_bytes} held by the rest of the step"
             + (", with the earlier pairs capped to keep only what cannot be offloaded" if self._can_cap() else "")
-            + ").\n"
+            + "). "
+            + _step_reach(step)
+            + "\n"
             + step.summary()
         )
         if opts.on_infeasible == "error":

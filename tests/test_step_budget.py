@@ -9,6 +9,7 @@ trace, parameters and the input declared resident) against the step's budget.
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -125,8 +126,13 @@ def test_step_report_counts_what_the_other_pairs_hold_for_every_budget(reference
 
 
 def _refusal(budget, **options) -> str:
+    return _refusal_of(lambda b: train(b, on_infeasible="error", **options), budget)
+
+
+def _refusal_of(run, budget) -> str:
+    """The InfeasibleBudgetError's text of ``run(budget)``."""
     with pytest.raises(Exception) as info:
-        train(budget, on_infeasible="error", **options)
+        run(budget)
     inner = getattr(info.value, "inner_exception", info.value)
     assert isinstance(inner, InfeasibleBudgetError), inner
     return str(inner)
@@ -208,6 +214,79 @@ def test_percentage_the_step_cannot_reach_is_refused():
     assert match, msg
     torch._dynamo.reset()
     train(match.group(1), on_infeasible="error")
+
+
+class _BodyThenLoss(nn.Module):
+    """The model's body (the step's peak: no plan brings it to half of it), a graph break, then
+    the loss, a pair without parameters that fits any budget the body does: a step whose
+    refusal comes from the step's check at its last pair, not from a pair's own plan (the shape
+    of a Hugging Face causal LM, whose loss function is its own graph)."""
+
+    def __init__(self, d=64, n=3):
+        super().__init__()
+        self.body = nn.Sequential(*[m for _ in range(n) for m in (nn.Linear(d, d), nn.Tanh())], nn.Linear(d, 4))
+
+    def forward(self, x, y):
+        h = self.body(x)
+        torch._dynamo.graph_break()
+        return F.mse_loss(h, y)
+
+
+def _train_body_then_loss(budget):
+    """Two steps (gradients zeroed between them), then one measured; returns (model,
+    measurement, gradients of the last step)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _BodyThenLoss()
+    x, y = torch.randn(512, 64), torch.randn(512, 4)
+    opts = {"inner": "eager", "memory_budget": budget, "min_offload_bytes": 0, "on_infeasible": "error"}
+    compiled = torch.compile(model, backend="trinity", options=opts)
+    for _ in range(2):
+        compiled(x, y).backward()
+        model.zero_grad(set_to_none=True)
+    m = measure_peak_device_bytes(
+        lambda: compiled(x, y).backward(), resident=list(model.parameters()) + [x, y], device="cpu"
+    )
+    return model, m, [p.grad.clone() for p in model.parameters()]
+
+
+def test_step_refusal_names_a_percentage_that_runs_when_passed_back():
+    """Refused by the step's check (each pair planned, the body above the step's final budget
+    at its lowest-peak plan): the message names the lowest step peak as the memory_budget
+    percentage of the step's unplanned peak (and in bytes); passed back, it runs within it, and
+    0.1% less is refused."""
+    msg = _refusal_of(_train_body_then_loss, "50%")
+    assert "1 of its 2 graph pairs cannot stay within it" in msg, msg
+    worst = int(re.search(r"the worst forward at (\d+) bytes", msg).group(1))
+    unplanned = int(re.search(r"the training step's unplanned peak (\d+) bytes", msg).group(1))
+    match = re.search(
+        r"so the lowest budget that runs is memory_budget='([0-9.]+)%' of the training step's peak without "
+        r"offloading \((\d+) bytes\), or memory_budget=(\d+) \(bytes\)",
+        msg,
+    )
+    assert match, msg
+    percent, base, lowest = float(match.group(1)), int(match.group(2)), int(match.group(3))
+    assert base == unplanned and lowest == worst > unplanned // 2
+    # The smallest 0.1% step that resolves (as the backend does) to at least the lowest peak.
+    assert int(percent / 100 * unplanned) >= lowest > int((percent - 0.1) / 100 * unplanned)
+    torch.manual_seed(0)
+    eager = _BodyThenLoss()
+    x, y = torch.randn(512, 64), torch.randn(512, 4)
+    F.mse_loss(eager.body(x), y).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, m, grads = _train_body_then_loss(f"{match.group(1)}%")
+    assert not [w for w in caught if "trinity" in str(w.message)]  # no infeasible-budget warning either
+    for g, e in zip(grads, eager.parameters()):
+        assert torch.equal(g, e.grad)
+    report = step_report(model)
+    assert report.unplanned_peak_bytes == unplanned
+    assert report.budget_bytes == int(percent / 100 * unplanned) >= lowest
+    assert report.within_budget and report.predicted_peak_bytes == lowest, report.summary()
+    assert m.peak_bytes <= report.budget_bytes + PEAK_SLACK_BYTES, report.summary()
+    # It is the lowest: 0.1% less is refused, naming the same percentage.
+    msg = _refusal_of(_train_body_then_loss, f"{percent - 0.1:.1f}%")
+    assert f"memory_budget='{match.group(1)}%' of the training step's peak" in msg, msg
 
 
 def test_single_graph_is_its_own_step():
