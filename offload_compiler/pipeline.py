@@ -1237,6 +1237,19 @@ class CompileSession:
                     else:
                         held_text = grads_text[0].upper() + grads_text[1:] + " while it runs"
 
+                # An earlier pair above the budget is at its lowest-peak plan (its provisional
+                # budget was at most this one): the step runs only at a budget it fits too.
+                earlier_peak = (
+                    max((e.step_peak_bytes for _k, e in self.step.ledger.earlier(self.step.key)), default=0)
+                    if self.step is not None
+                    else 0
+                )
+                if earlier_peak > lowest:
+                    held_text += (
+                        f"; this pair's lowest step peak is {lowest} bytes, and an earlier pair's step peak is "
+                        f"{earlier_peak} bytes"
+                    )
+                    lowest = earlier_peak
                 reach = (
                     f"{held_text}, so the lowest budget that runs is"
                     f" memory_budget='{plan_window.lowest_budget_percent(lowest, step_unplanned)}' of the step's"

@@ -289,6 +289,29 @@ def test_step_refusal_names_a_percentage_that_runs_when_passed_back():
     assert f"memory_budget='{match.group(1)}%' of the training step's peak" in msg, msg
 
 
+def test_pair_refusal_names_the_percentage_an_earlier_pair_needs():
+    """At 30% the last pair (the loss) cannot fit beside what the body holds and is refused by
+    its own plan; the body is above the budget by more. The percentage named is the one the
+    body needs, the one the step's check names (test above: it runs), not the loss pair's own
+    (which the step's check refuses)."""
+    msg = _refusal_of(_train_body_then_loss, "30%")
+    assert "graph pairs cannot stay within it" not in msg, msg  # the pair's refusal, not the step's
+    match = re.search(
+        r"this pair's lowest step peak is (\d+) bytes, and an earlier pair's step peak is (\d+) bytes, so the "
+        r"lowest budget that runs is memory_budget='([0-9.]+)%' of the step's peak without offloading \((\d+) "
+        r"bytes so far\), or memory_budget=(\d+) \(bytes\)",
+        msg,
+    )
+    assert match, msg
+    own, earlier, lowest, unplanned = (int(match.group(i)) for i in (1, 2, 5, 4))
+    percent = float(match.group(3))
+    assert own < earlier == lowest
+    assert int(percent / 100 * unplanned) >= lowest > int((percent - 0.1) / 100 * unplanned)
+    step_msg = _refusal_of(_train_body_then_loss, "50%")
+    assert f"memory_budget='{match.group(3)}%' of the training step's peak without offloading" in step_msg
+    assert f"or memory_budget={lowest} (bytes)" in step_msg
+
+
 def test_single_graph_is_its_own_step():
     """Without a graph break the ledger has one pair and holds nothing: the plan is the pair's."""
     torch._dynamo.reset()
