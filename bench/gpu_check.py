@@ -14,7 +14,10 @@ crashes the CUDA context or hangs costs only its own share. The parts:
    (:func:`bench.step_ratio.measure_pair`, GPT);
 5. ``predicted_vs_measured``: the demo's model at budgets 100%, 50% and 25%: the planner's
    predicted step time (forward and backward) and peak against the measured ones, with the
-   runtime check's own measurement and correction.
+   runtime check's own measurement and correction. The steps are timed after the runtime check
+   of the first steps has finished (:func:`warm_up_until_checked`: its measured steps and
+   replans are profiled steps and recompiles, seconds each with Inductor), warm-up bounded by
+   :data:`CHECK_WARMUP_MAX_STEPS`.
 
 Without CUDA the check is a dry run on the CPU: the same parts, shrunk (``--quick`` or
 ``TRINITY_GPU_CHECK_QUICK=1`` shrinks them on any device), with ``inner="eager"`` where Inductor's
@@ -38,6 +41,7 @@ import time
 import traceback
 import warnings
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,8 +54,13 @@ PARTS = ("cuda_tests", "demo", "calibrate", "step_ratio", "predicted_vs_measured
 # whole check also stops at --deadline.
 LIMITS = {"cuda_tests": 150, "demo": 90, "calibrate": 45, "step_ratio": 90, "predicted_vs_measured": 110}
 BUDGETS = ("100%", "50%", "25%")
+# The most warm-up steps part 5 runs while waiting for the runtime check to finish: its first
+# measured step, up to step_check.MAX_REPLANS replans (each measured at its own step, a recompile
+# with Inductor: about a second each on an H200), up to step_check._ATTEMPTS tries at steps it
+# could not measure, and the step that shows nothing more changed.
+CHECK_WARMUP_MAX_STEPS = 10
 
-__all__ = ["main", "run_part"]
+__all__ = ["check_finished", "main", "run_part", "warm_up_until_checked"]
 
 
 def _python() -> list[str]:
@@ -117,19 +126,28 @@ def part_predicted_vs_measured(device: torch.device, quick: bool, calibration: s
             options["calibration"] = calibration
         before = len(offload_compiler.reports())
         compiled = torch.compile(model, backend="trinity", options=options)
+
+        def one_step(step: int, compiled=compiled, model=model) -> float:
+            x, y = batches.batch(step, device)
+            _sync(device)
+            t0 = time.perf_counter()
+            compiled(x, y).backward()
+            _sync(device)
+            model.zero_grad(set_to_none=True)
+            return time.perf_counter() - t0
+
+        def reps_now(before=before) -> list:
+            return list(offload_compiler.reports()[before:])
+
         times = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for step in range(warmup + timed):
-                x, y = batches.batch(step, device)
-                _sync(device)
-                t0 = time.perf_counter()
-                compiled(x, y).backward()
-                _sync(device)
-                if step >= warmup:
-                    times.append(time.perf_counter() - t0)
-                model.zero_grad(set_to_none=True)
-        x, y = batches.batch(warmup + timed, device)
+            warmup_times, settled_at = warm_up_until_checked(one_step, reps_now, warmup, CHECK_WARMUP_MAX_STEPS)
+            reps_timed = reps_now()
+            for _ in range(timed):
+                times.append(one_step(len(warmup_times) + len(times)))
+            timed_after_check = check_finished(reps_timed, reps_now())
+        x, y = batches.batch(len(warmup_times) + timed, device)
         own = list(model.parameters()) + [x, y]
         if device.type == "cuda":
             _sync(device)
@@ -172,6 +190,13 @@ def part_predicted_vs_measured(device: torch.device, quick: bool, calibration: s
                 "measured_step_seconds_median": measured_t,
                 "measured_over_predicted_step": measured_t / predicted if predicted else None,
                 "timed_steps": len(times),
+                "warmup_steps": len(warmup_times),
+                "warmup_step_seconds": warmup_times,
+                # The runtime check: the number of warm-up steps after which it had finished
+                # (None: not within CHECK_WARMUP_MAX_STEPS), and whether it had finished before
+                # the timed steps (every report measured, none replaced while they ran).
+                "runtime_check_finished_after_steps": settled_at,
+                "timed_after_runtime_check": timed_after_check,
                 "device_figures": reps[0].device_name if reps else None,
                 "warnings": sorted({str(w.message)[:300] for w in caught}),
             }
@@ -182,6 +207,56 @@ def part_predicted_vs_measured(device: torch.device, quick: bool, calibration: s
         "calibration": calibration,
         "rows": rows,
     }
+
+
+def warm_up_until_checked(
+    one_step: Callable[[int], float], reports_now: Callable[[], list], min_steps: int, max_steps: int
+) -> tuple[list[float], int | None]:
+    """Warm up a compiled training step until the runtime check of its first steps has finished
+    (:func:`check_finished`): its measured steps are profiled and its replans recompile (with
+    Inductor, about a second each), so a step timed before it finishes is not the steady state
+    the plan predicts.
+
+    Args:
+        one_step: runs training step ``i`` (forward and backward), returns its seconds.
+        reports_now: the compile's current reports (``offload_compiler.reports()`` from its first).
+        min_steps: warm-up steps to run in any case.
+        max_steps: the most to run while the check has not finished.
+
+    Returns:
+        ``(seconds of each warm-up step, the number of warm-up steps after which the check had
+        finished, or None when it had not within max_steps)``.
+
+    Raises:
+        ValueError: when ``min_steps`` < 0 or ``max_steps`` < ``min_steps``.
+    """
+    if min_steps < 0 or max_steps < min_steps:
+        raise ValueError(
+            f"warm-up steps: need 0 <= min_steps <= max_steps, got min_steps={min_steps}, max_steps={max_steps}"
+        )
+    seconds: list[float] = []
+    settled_at = None
+    while len(seconds) < min_steps or (settled_at is None and len(seconds) < max_steps):
+        before = reports_now()
+        seconds.append(one_step(len(seconds)))
+        if settled_at is None and check_finished(before, reports_now()):
+            settled_at = len(seconds)
+    return seconds, settled_at
+
+
+def check_finished(before: list, after: list) -> bool:
+    """Whether the runtime check of the first steps (``offload_compiler/step_check.py``) had
+    finished for every pair before a step whose report log went from ``before`` to ``after``:
+    every report measured (``measured_peak_bytes``) and none replaced during the step. The check
+    replaces a pair's report when it measures a step (the measured peak) and when it replans (a
+    new plan, measured again at that step); a step that replaces none ran with no check left to
+    do, and the later steps run those plans unmeasured."""
+    return (
+        bool(after)
+        and len(after) == len(before)
+        and all(a is b for a, b in zip(after, before))
+        and all(r.measured_peak_bytes is not None for r in after)
+    )
 
 
 IN_PROCESS = {"step_ratio": part_step_ratio, "predicted_vs_measured": part_predicted_vs_measured}

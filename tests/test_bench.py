@@ -203,20 +203,92 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
         assert r["num_graphs"] == 1 and r["measured_peak_bytes"] > 0 and r["planned_peak_bytes"] > 0
         assert r["predicted_step_seconds"] > 0 and r["measured_step_seconds_median"] > 0
         assert r["runtime_check_measured_peak_bytes"][0] is not None
+        # Timed after the runtime check of the first steps had finished (as the reports say):
+        # here it measures the first step and replans nothing, so the second shows it finished.
+        assert r["runtime_check_finished_after_steps"] == r["warmup_steps"] == 2, r
+        assert r["timed_after_runtime_check"] and r["timed_steps"] == 1, r
+        assert len(r["warmup_step_seconds"]) == 2
         assert not r["feasible"] or r["over_budget_bytes"] <= 64 * 1024, r  # test_e2e's slack
     assert rows[0]["num_evicted"] == 0 and rows[1]["num_evicted"] > 0
     assert rows[1]["measured_peak_bytes"] < rows[0]["measured_peak_bytes"]
+
+
+def test_gpu_check_times_steps_only_after_the_runtime_check_finished():
+    """bench/gpu_check.py's warm-up on a pair whose runtime check replans (test_step_check's
+    scratch MLP at 50%: the first step's measured peak is over the budget): it ends only after
+    the replanned pair's own measured step and one step that changed no report, so the timed
+    steps run the final plan, unmeasured. Without the check's measurement it stops at its bound."""
+    import offload_compiler
+    from bench.gpu_check import check_finished, warm_up_until_checked
+
+    from .test_step_check import ScratchMLP, scratch_batch
+
+    batch = scratch_batch()
+
+    def compiled_steps(**options):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = ScratchMLP(factor=2)
+        opts = {"inner": "eager", "memory_budget": "50%", "min_offload_bytes": 0, **options}
+        compiled = torch.compile(model, backend="trinity", options=opts)
+        before = len(offload_compiler.reports())
+        after_each = []
+
+        def reports_now():
+            return list(offload_compiler.reports()[before:])
+
+        def one_step(i):
+            compiled(*batch).backward()
+            model.zero_grad(set_to_none=True)
+            after_each.append(reports_now())
+            return 0.0
+
+        return one_step, reports_now, after_each
+
+    one_step, reports_now, after_each = compiled_steps()
+    seconds, settled = warm_up_until_checked(one_step, reports_now, 1, 10)
+    assert settled == len(seconds) == 3
+    (first,), (replanned,), (last,) = after_each
+    assert first.correction is None and first.measured_peak_bytes > first.budget_bytes  # step 1: measured, over
+    assert replanned.correction is not None and replanned.correction.replans == 1  # step 2: replanned, measured
+    assert replanned.measured_peak_bytes is not None and replanned.measured_peak_bytes <= replanned.budget_bytes
+    assert last is replanned  # step 3: nothing left to check
+    now = reports_now()
+    one_step(3)
+    assert check_finished(now, reports_now())  # a later (timed) step changes no report either
+    # A fixed warm-up of one or two steps would have timed the replan's recompile or its profiled step.
+    assert not check_finished([], after_each[0]) and not check_finished(after_each[0], after_each[1])
+
+    one_step, reports_now, after_each = compiled_steps(runtime_check="off")
+    seconds, settled = warm_up_until_checked(one_step, reports_now, 1, 3)
+    assert settled is None and len(seconds) == 3  # never measured: bounded
+    assert all(r.measured_peak_bytes is None for (r,) in after_each)
+    with pytest.raises(ValueError, match="min_steps=2, max_steps=1"):
+        warm_up_until_checked(one_step, reports_now, 2, 1)
 
 
 def test_frontier_judges_an_infeasible_point_against_its_planned_lowest_peak():
     from bench import frontier
 
     rows = [
-        {"key": "trinity-auto-50%", "ok": True, "ratio": 1.05, "peak_bytes": 900, "budget_bytes": 1000,
-         "within_budget": True},  # fmt: skip
-        {"key": "trinity-auto-25%", "ok": True, "ratio": 1.3, "peak_bytes": 700, "budget_bytes": 500,
-         "infeasible": True, "planned_lowest_peak_bytes": 690,
-         "within_planned_lowest_peak": 700 <= 690 + frontier.PEAK_SLACK_BYTES},  # fmt: skip
+        {
+            "key": "trinity-auto-50%",
+            "ok": True,
+            "ratio": 1.05,
+            "peak_bytes": 900,
+            "budget_bytes": 1000,
+            "within_budget": True,
+        },  # fmt: skip
+        {
+            "key": "trinity-auto-25%",
+            "ok": True,
+            "ratio": 1.3,
+            "peak_bytes": 700,
+            "budget_bytes": 500,
+            "infeasible": True,
+            "planned_lowest_peak_bytes": 690,
+            "within_planned_lowest_peak": 700 <= 690 + frontier.PEAK_SLACK_BYTES,
+        },  # fmt: skip
     ]
     out = frontier.cpu_targets([{"model": "gpt", "rows": rows}])
     targets = {(c["key"], c["target"]): c["met"] for c in out["checks"]}
