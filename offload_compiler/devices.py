@@ -77,7 +77,10 @@ ADAMW_BYTES_PER_PARAM = 28
 # tensors, 2 threads, the floor from calibrate.stream_bytes_per_s, interleaved rounds):
 # fused AdamW (torch's fused=True, CPUOptimizer(implementation="fastest")) at 0.64-0.68 of the
 # floor (medians) with load average 4-5, CPUOptimizer's at 0.88 with 2.3; its for-loop in pieces
-# 3.2x its fused time (228 vs 71 ms, 200 vs 63 ms).
+# 3.2x its fused time (228 vs 71 ms, 200 vs 63 ms). Committed since (bench/results/cpu_update.json,
+# one run of both sizes, 2 threads, that floor): at 200M parameters CPUOptimizer fastest at 0.95
+# of the floor and torch's fused AdamW at 0.63; CPUOptimizer's for-loop in pieces 2.8x its fused
+# time (721 vs 255 ms).
 FUSED_FRACTION_OF_FLOOR = 0.9
 LOOP_SLOWDOWN = 3.0
 # The host assumed for the GPU entries (see the module docstring): cores, bytes/s.
