@@ -670,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=plan_recompute.STRATEGIES,
         help="how saved activations meet a budget: auto (keep, offload or recompute), offload or recompute",
     )
-    parser.add_argument("--png", default="plan_frontier.png", help="where to draw the frontier ('' for none)")
+    parser.add_argument("--png", default=None, help="draw the frontier into this PNG file (default: none)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE")
     parser.add_argument(
         "--hf", action="append", default=[], metavar="KEY=VALUE", help="config override for hf: models (repeatable)"

@@ -316,3 +316,11 @@ def test_help_states_each_default_once(capsys, argv):
         assert appended is None or "default" not in block[: appended.start()], block
     if "--world" not in argv:
         assert "--min-offload-bytes" in text and "(default: 1MiB)" in text
+
+
+def test_no_png_is_written_unless_asked(tmp_path, monkeypatch, capsys):
+    """``--png`` is opt-in: a plain run leaves no file in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model", "demo", "--seq-len", "64", "--budgets", "100%"]) == 0
+    assert "frontier:" not in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []

@@ -166,7 +166,7 @@ def test_describe_infeasible_names_budget_lowest_and_dominant_kind(mlp4):
     assert "1000 bytes" in text
     assert "1476 bytes" in text  # the lowest reachable peak
     assert "1.82 KiB without offloading" in text  # 1860 B
-    assert "dominated by temporary" in text
+    assert "dominated by temporary; by kind: temporary " in text  # the kind is named once, then the split
     assert "backward node 'mm_9'" in text
     # The lowest-peak plan offloads tanh and tanh_1 only (the others would not lower it).
     assert "2 of the 4 saved activations that can be offloaded are; offloading the others would not lower it." in text

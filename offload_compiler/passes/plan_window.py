@@ -680,6 +680,6 @@ def describe_infeasible(
         f"trinity: memory_budget {requested} is below the lowest peak any plan reaches, "
         f"{format_bytes(plan_.lowest_reachable_peak_bytes)} ({plan_.lowest_reachable_peak_bytes} bytes; "
         f"{format_bytes(plan_.peak_bytes_unplanned)} without offloading), at {step.graph} node "
-        f"{step.node!r}. That peak is dominated by {dominant}: {parts}. "
+        f"{step.node!r}. That peak is dominated by {dominant}; by kind: {parts}. "
         f"{candidates} {reach} {remedy}."
     )
