@@ -766,6 +766,12 @@ def _liveness_json(live: liveness.Liveness, costs: cost_model.Costs) -> dict[str
     }
 
 
+def _held_plus(held: tuple[int, int, int], planned: int, unplanned: int) -> tuple[int, int, int]:
+    """``held`` (bytes held outside a pair under the plans, all kept, and the step's unplanned
+    peak so far) with ``planned`` / ``unplanned`` bytes more held beside the pair."""
+    return (held[0] + planned, held[1] + unplanned, held[2])
+
+
 def _step_reach(step) -> str:
     """The sentence of the training step's infeasible-budget message that names the lowest budget
     that runs: the step's predicted peak under the plans it has (each pair above the budget at its
@@ -877,15 +883,12 @@ class CompileSession:
         if self.reuse is None:
             self.reuse = self._predicted_reuse(pair)
         reuse = self.reuse
-        extra = (0, 0)
-        if reuse is not None:
-            extra = (reuse.held_bytes, reuse.held_unplanned_bytes)
         g = self.accumulated_grad_bytes
-        extra = (extra[0] + g, extra[1] + g)
-        held = (held[0] + extra[0], held[1] + extra[1], held[2])
+        extra = (reuse.held_bytes + g, reuse.held_unplanned_bytes + g) if reuse is not None else (g, g)
+        held = _held_plus(held, *extra)
         self.step_held = held
         g = 0 if self.accumulated_grad_bytes else self.reported_grad_bytes
-        self.step_ledger_held = (ledger[0] + extra[0] + g, ledger[1] + extra[1] + g, ledger[2])
+        self.step_ledger_held = _held_plus(ledger, extra[0] + g, extra[1] + g)
         self.step_ledger_held_kept = ledger_kept
         static = set(pair.static_input_indices)
         params = {i: (s.id, s.host_bytes) for i, s in self.param_slots.items() if i in static}
@@ -1160,14 +1163,9 @@ class CompileSession:
         runs = the_plan.model_state.reuse_count
         if runs > 1:
             # The earlier runs' kept saved activations, as the plan decided them, are held too.
-            h = self.step_held
-            self.step_held = (h[0] + the_plan.reuse_held_bytes, h[1] + the_plan.reuse_held_unplanned_bytes, h[2])
-            h = self.step_ledger_held
-            self.step_ledger_held = (
-                h[0] + the_plan.reuse_held_bytes,
-                h[1] + the_plan.reuse_held_unplanned_bytes,
-                h[2],
-            )
+            kept = (the_plan.reuse_held_bytes, the_plan.reuse_held_unplanned_bytes)
+            self.step_held = _held_plus(self.step_held, *kept)
+            self.step_ledger_held = _held_plus(self.step_ledger_held, *kept)
         seconds.update(the_plan.pass_seconds)
         act, view, joint = the_plan.activations, the_plan.activation_liveness, the_plan.joint
         if dumper:

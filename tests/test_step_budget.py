@@ -413,6 +413,14 @@ def blocks_step(model, x, outside=False):
         model(x).backward()
 
 
+def blocks_steps(model, x, steps):
+    """``steps`` training steps, the gradients freed after each (``zero_grad(set_to_none=True)``)."""
+    for _ in range(steps):
+        blocks_step(model, x)
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+
+
 def train_blocks(budget, backend="trinity", n=4, rows=REUSE_ROWS, input_grad=True, outside=False, **options):
     """Each block compiled on its own; three unmeasured steps (the first step's check measures and
     replans where the step showed other runs than planned, the second measures the new plan), then
@@ -496,10 +504,7 @@ def test_mispredicted_runs_are_corrected_by_the_first_step():
     on the device than the plan for 4)."""
     before = len(offload_compiler.reports())
     model, x = build_blocks(6_500_000, model_cls=_FirstTwo, rows=1024, on_infeasible="error")
-    for _ in range(3):
-        blocks_step(model, x)
-        model.zero_grad(set_to_none=True)
-        x.grad = None
+    blocks_steps(model, x, 3)
     m = measure_peak_device_bytes(lambda: blocks_step(model, x), resident=list(model.parameters()) + [x], device="cpu")
     reps = offload_compiler.reports()[before:]
     (r,) = reps
@@ -517,10 +522,7 @@ def test_mispredicted_runs_without_replanning_are_reported_as_measured():
     for fewer runs too), and the report says the step ran 2, not 4 "measured in the first step"."""
     before = len(offload_compiler.reports())
     model, x = build_blocks(6_500_000, model_cls=_FirstTwo, rows=1024, runtime_check="measure")
-    for _ in range(2):
-        blocks_step(model, x)
-        model.zero_grad(set_to_none=True)
-        x.grad = None
+    blocks_steps(model, x, 2)
     (r,) = offload_compiler.reports()[before:]
     assert r.reuse_count == 4 and r.reuse_measured == 2 and r.correction is None
     line = next(x for x in r.summary().splitlines() if x.strip().startswith("reuse"))
