@@ -122,7 +122,8 @@ class ModelState:
         held_unplanned_bytes: the same with nothing offloaded (counts in the unplanned peak, the
             base of a percentage budget).
         step_unplanned_peak_bytes: the largest unplanned step peak of the step's other pairs
-            compiled so far (a percentage budget is of the larger of it and this pair's).
+            compiled so far (a percentage budget is of the larger of it and this pair's;
+            :meth:`~offload_compiler.step_budget.StepLedger.holdings`).
         reuse_count: runs of this pair alive at once in one step (N: a block graph run by N
             blocks, ``F1 .. FN BN .. B1``; measured by the runtime check of the first step,
             :class:`~offload_compiler.step_budget.StepReuse`). The N - 1 earlier runs keep the
@@ -1006,8 +1007,15 @@ class CompileSession:
 
     def _step_defers(self) -> bool:
         """Whether an infeasible plan waits for the step's check: a percentage budget while more
-        pairs of the step are to compile (the step's unplanned peak is not known yet)."""
-        return self.step is not None and self.options.memory_budget.kind == "fraction" and self.step.more_coming
+        pairs of the step are to compile (the step's unplanned peak is not known yet). A pair
+        planned again after they compiled (a runtime replan: held gradients, caps, measured
+        workspace) does not wait: no later compile would check it."""
+        return (
+            self.step is not None
+            and self.options.memory_budget.kind == "fraction"
+            and self.step.more_coming
+            and not self.step.ledger.has_later(self.step.key)
+        )
 
     def _can_cap(self) -> bool:
         """Whether earlier pairs of the step may be planned again to keep less for this one
@@ -1095,8 +1103,10 @@ class CompileSession:
         opts = self.options
         ledger = self.step.ledger
         step = ledger.report()
-        if opts.memory_budget.kind != "fraction" or self.step.more_coming or len(step.pairs) < 2:
+        if opts.memory_budget.kind != "fraction" or len(step.pairs) < 2:
             return
+        if self.step.more_coming and not ledger.has_later(self.step.key):
+            return  # checked at the step's last pair
         budget = int(opts.memory_budget.value * step.unplanned_peak_bytes)
         over = [p for p in step.pairs if p.step_peak_bytes > budget]
         if not over:
@@ -1285,8 +1295,14 @@ class CompileSession:
             )
             message += plan_recompute.infeasible_note(joint.recompute, outside_bytes if in_step else 0)
             if in_step and self.step is not None and any(k != self.step.key for k in self.step.ledger.keys()):
-                # This pair is not in the ledger yet: the summary lists the step's earlier pairs.
-                message += "\nThe step's pairs compiled before this one: " + self.step.ledger.report().summary()
+                # This pair's new plan is not in the ledger yet: the summary lists the step's
+                # earlier pairs (and, planned again after the step compiled, this pair's old plan).
+                head = (
+                    "The step as planned before this replan: "
+                    if self.step.ledger.has_later(self.step.key)
+                    else "The step's pairs compiled before this one: "
+                )
+                message += "\n" + head + self.step.ledger.report().summary()
             if self._reuse_defers():
                 # A block graph's percentage is provisional until the first step shows its runs.
                 log.info("%s (provisional: the first step's check counts the graph's runs per step)", message)

@@ -499,7 +499,10 @@ class StepLedger:
         pairs' kept saved activations under their plans, ``unplanned`` all their saved
         activations; both add the parameters and gradients outside the pair and DDP's buckets.
         An earlier pair with a cap (:meth:`set_caps`) counts at most its cap.
-        The third figure is the largest unplanned step peak of the pairs recorded before it."""
+        The third figure is the largest unplanned step peak of the other pairs recorded: those
+        before it and, when the pair is planned again after the step's later pairs compiled
+        (:meth:`has_later`: the runtime check's replan), those after it too, so that a
+        percentage budget resolves to the same bytes as the step's check at its last pair."""
         earlier = [e for _k, e in self.earlier(key)]
         params, grads = self._model_state_bytes(own_params, offload, device)
         base = params + grads + self._bucket_bytes()
@@ -508,8 +511,16 @@ class StepLedger:
         return (
             base + inputs + self.earlier_kept(key),
             base + inputs + sum(e.kept_unplanned_bytes * e.runs for e in earlier),
-            max((e.step_unplanned_peak_bytes for e in earlier), default=0),
+            max((e.step_unplanned_peak_bytes for k, e in self._entries.items() if k != key), default=0),
         )
+
+    def has_later(self, key: Any) -> bool:
+        """Whether a pair recorded after pair ``key`` is in the ledger: the step's later pairs
+        compiled, so the step is known whole when ``key`` is planned again (a runtime replan),
+        and its budget is checked at once instead of waiting for a later compile that does not
+        come."""
+        keys = list(self._entries)
+        return key in self._entries and keys.index(key) < len(keys) - 1
 
     def record(self, key: Any, holding: PairHolding) -> None:
         """Enter (or replace, keeping its place) pair ``key``'s holding."""

@@ -312,6 +312,56 @@ def test_pair_refusal_names_the_percentage_an_earlier_pair_needs():
     assert f"or memory_budget={lowest} (bytes)" in step_msg
 
 
+def _accumulate_body_then_loss(budget, on_infeasible="error"):
+    """Gradient accumulation without ``zero_grad``: the body's parameters hold gradients from
+    the second step on, and the loss pair (no parameters) never compiles again, so only the
+    body's replan for them can check the step. Three steps, then a fourth measured; returns
+    (model, measurement, gradients)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _BodyThenLoss()
+    x, y = torch.randn(512, 64), torch.randn(512, 4)
+    opts = {"inner": "eager", "memory_budget": budget, "min_offload_bytes": 0, "on_infeasible": on_infeasible}
+    compiled = torch.compile(model, backend="trinity", options=opts)
+    for _ in range(3):
+        compiled(x, y).backward()
+    grads = [p.grad for p in model.parameters()]
+    m = measure_peak_device_bytes(
+        lambda: compiled(x, y).backward(), resident=list(model.parameters()) + grads + [x, y], device="cpu"
+    )
+    return model, m, [p.grad.clone() for p in model.parameters()]
+
+
+def test_replan_for_held_gradients_after_the_step_compiled_checks_the_step():
+    """The body is planned again at the second step for the gradients it holds (no zero_grad);
+    the step's later pair (the loss) compiled already and never compiles again. Before, the
+    replan's infeasibility waited for that compile: the step ran 0.9% above 73% (predicted
+    668,720 B against 655,236 B; measured 685,108 B) with no error or warning. Now the replan
+    is refused at once, naming a percentage that runs; passed back, the step stays within it
+    with gradients bit-equal to eager's accumulated ones. With on_infeasible="warn" it warns."""
+    msg = _refusal_of(_accumulate_body_then_loss, "73%")
+    assert "planned again for the" in msg and "bytes of gradients its parameters hold" in msg, msg
+    assert "The step as planned before this replan" in msg, msg
+    match = re.search(r"memory_budget='([0-9.]+%)' of the step's peak", msg)
+    assert match, msg
+    model, m, grads = _accumulate_body_then_loss(match.group(1))
+    torch.manual_seed(0)
+    eager = _BodyThenLoss()
+    x, y = torch.randn(512, 64), torch.randn(512, 4)
+    for _ in range(4):
+        F.mse_loss(eager.body(x), y).backward()
+    for g, e in zip(grads, eager.parameters()):
+        assert torch.equal(g, e.grad)
+    report = step_report(model)
+    held = nbytes(model.body.parameters())
+    assert report.pairs[0].held_bytes == held  # its own gradients
+    assert report.within_budget, report.summary()
+    assert m.peak_bytes <= report.budget_bytes + PEAK_SLACK_BYTES, report.summary()
+    with pytest.warns(UserWarning, match=r"1 of its 2 graph pairs cannot stay within it"):
+        model, _, _ = _accumulate_body_then_loss("73%", on_infeasible="warn")
+    assert not step_report(model).within_budget
+
+
 def test_single_graph_is_its_own_step():
     """Without a graph break the ledger has one pair and holds nothing: the plan is the pair's."""
     torch._dynamo.reset()
