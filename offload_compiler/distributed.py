@@ -8,7 +8,9 @@ engine setting and an ``offload`` mode that would train wrong:
 
 * **DDP** is found through ``DistributedDataParallel._get_active_ddp_module()``: DDP sets it for
   the duration of its forward (``_inside_ddp_forward``), which is when Dynamo compiles the wrapped
-  module's frames, with or without DDP's graph splitting (``optimize_ddp``).
+  module's frames, with or without DDP's graph splitting (``optimize_ddp``). With
+  ``optimize_ddp="python_reducer"`` Dynamo traces DDP's forward itself, before it runs: the DDP
+  module is then found on the source path of the graph's inputs (the frame's ``self``).
 * **FSDP2** is found from the graph's inputs: a module on the source path of an input
   (``node.meta["grapharg"].source``, resolved in the frame being compiled) that is an
   ``FSDPModule``, or a ``DTensor`` input (a sharded parameter).
@@ -69,6 +71,14 @@ def active_ddp() -> torch.nn.Module | None:
         return None
     getter = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
     return getter() if getter is not None else None
+
+
+def _ddp_class():
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # torch built without distributed
+        return None
+    return DistributedDataParallel
 
 
 def _fsdp_module_class():
@@ -145,6 +155,12 @@ def source_modules(gm: fx.GraphModule | None) -> list[torch.nn.Module]:
 def detect_engine(gm: fx.GraphModule | None, example_inputs: Sequence[Any]) -> Engine:
     """The engine ``gm`` runs under (see the module docstring)."""
     ddp = active_ddp()
+    if ddp is None:
+        # Dynamo traced DDP's forward itself (torch._dynamo.config.optimize_ddp="python_reducer"):
+        # the compile runs before DDP's forward, but the DDP module is the frame's ``self``.
+        ddp_cls = _ddp_class()
+        if ddp_cls is not None:
+            ddp = next((m for m in source_modules(gm) if isinstance(m, ddp_cls)), None)
     if ddp is not None:
         pg = getattr(ddp, "process_group", None)
         world = pg.size() if pg is not None else torch.distributed.get_world_size()
@@ -207,8 +223,10 @@ def check_combination(engine: Engine, options) -> None:
         problems.append("DDP(find_unused_parameters=True) (DDP's reducer would run its own collectives)")
     if getattr(ddp, "static_graph", False):
         problems.append("DDP(static_graph=True) (its first step delays and runs DDP's own all-reduce)")
-    if getattr(ddp, "_delay_all_reduce_all_params", False):
-        problems.append("DDP with every parameter's all-reduce delayed (_delay_all_reduce_named_params)")
+    if getattr(ddp, "_delay_all_reduce_params", None):
+        # DDP all-reduces these itself after the backward, from their device .grad, which
+        # offload='all' leaves None (and ignores them in its own reducer).
+        problems.append("DDP's delay_all_reduce_named_params (their all-reduce delayed to the end of the backward)")
     if problems:
         raise UnsupportedCombinationError(
             "trinity offload='all' under DDP is not supported with "
