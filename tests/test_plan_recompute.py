@@ -450,6 +450,32 @@ def test_solver_time_limit_is_soft_until_a_first_solution():
     assert sol is None and "time limit" in status.lower(), status
 
 
+@pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
+def test_mip_start_is_the_first_incumbent_and_a_bad_one_is_dropped(monkeypatch):
+    """A feasible MIP start is an incumbent from the start: with no time past the soft limit
+    and no patience the solver returns a solution at least as good as it; a start that breaks a
+    row is dropped (the solver finds its own)."""
+    import numpy as np
+
+    m, weights = _multi_knapsack()
+    n = len(weights[0])
+    cost = np.asarray(m.cost[:n])
+    one = int(np.argmin(cost))  # the most valuable item alone: feasible (each weight < sum // 4)
+    start = {i: float(i == one) for i in range(n)}
+    monkeypatch.setattr(plan_recompute, "SOLVER_START_PATIENCE_S", 0.0)
+    status, sol = m.solve(0.0, mip_start=start)
+    assert sol is not None, status
+    x = sol[:n].round()
+    assert float(cost @ x) <= float(cost[one])
+    for w in weights:
+        assert float(w @ x) <= w.sum() // 4
+    everything = {i: 1.0 for i in range(n)}  # breaks every row
+    status, sol = m.solve(0.0, mip_start=everything)
+    assert sol is not None, status
+    for w in weights:
+        assert float(w @ sol[:n].round()) <= w.sum() // 4
+
+
 @pytest.mark.parametrize("strategy", ["auto", "offload", "recompute"])
 @pytest.mark.parametrize("use_solver", [True, False])
 def test_kept_cap_is_met_by_every_strategy(mlp, strategy, use_solver):
