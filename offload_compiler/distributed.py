@@ -35,7 +35,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["Engine", "UnsupportedCombinationError", "active_ddp", "detect_engine", "check_combination"]
+__all__ = [
+    "Engine",
+    "UnsupportedCombinationError",
+    "active_ddp",
+    "detect_engine",
+    "check_combination",
+    "ddp_bucket_caps",
+    "resolve_interconnect",
+]
 
 
 class UnsupportedCombinationError(ValueError):
@@ -234,3 +242,58 @@ def check_combination(engine: Engine, options) -> None:
             + ". Use offload='activations+params' (DDP reduces the device gradients as usual, hooks included) "
             "or remove the setting."
         )
+
+
+def ddp_bucket_caps(ddp: torch.nn.Module) -> tuple[int, ...]:
+    """DDP's gradient bucket caps in bytes, per bucket in order, the last repeating (the
+    ``bucket_size_limits`` its reducer rebuilds its buckets with): ``bucket_cap_mb_list`` where
+    given; else the first bucket's cap (``dist._DEFAULT_FIRST_BUCKET_BYTES`` with DDP's default
+    ``bucket_cap_mb``, else the cap) and ``bucket_bytes_cap``. Read from DDP's
+    ``_bucket_config`` (torch >= 2.12) or its ``bucket_bytes_cap`` / ``bucket_bytes_cap_default``
+    attributes (earlier; ``torch/nn/parallel/distributed.py``).
+
+    Raises:
+        ValueError: when ``ddp`` has no bucket cap (not a ``DistributedDataParallel``).
+    """
+    import torch.distributed as dist
+
+    cfg = getattr(ddp, "_bucket_config", None)
+    if cfg is not None:
+        if cfg.per_bucket_bytes_caps:
+            return tuple(int(c) for c in cfg.per_bucket_bytes_caps)
+        cap, first = int(cfg.bucket_bytes_cap), int(cfg.first_bucket_bytes_cap)
+    else:
+        cap = getattr(ddp, "bucket_bytes_cap", None)
+        if cap is None:
+            raise ValueError(f"ddp_bucket_caps: {type(ddp).__name__} has no bucket_bytes_cap (not a DDP module?)")
+        cap = int(cap)
+        first = int(dist._DEFAULT_FIRST_BUCKET_BYTES) if getattr(ddp, "bucket_bytes_cap_default", False) else cap
+    first = max(1, min(first, cap))
+    return (first, cap) if first < cap else (cap,)
+
+
+def resolve_interconnect(name):
+    """The :class:`~offload_compiler.collectives.Link` of the ``interconnect`` option: a key of
+    :data:`~offload_compiler.collectives.LINKS`, a JSON file written by ``python -m
+    offload_compiler calibrate --collectives`` (:func:`~offload_compiler.collectives.load_link`),
+    or ``None``: :data:`~offload_compiler.passes.grad_sync.DEFAULT_LINK`.
+
+    Raises:
+        ValueError: naming the value and what is allowed.
+    """
+    from pathlib import Path
+
+    from .collectives import LINKS, load_link
+    from .passes.grad_sync import DEFAULT_LINK
+
+    if name is None:
+        return LINKS[DEFAULT_LINK]
+    text = str(name)
+    if text in LINKS:
+        return LINKS[text]
+    if text.endswith(".json") or Path(text).is_file():
+        return load_link(text)
+    raise ValueError(
+        f"interconnect {text!r}: one of {', '.join(LINKS)}, or a JSON file written by "
+        "`python -m offload_compiler calibrate --collectives`"
+    )

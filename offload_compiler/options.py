@@ -277,6 +277,12 @@ class TrinityOptions:
             the graph's shapes, ``passes/op_timing.py``; the roofline for what is not measured).
             ``"measured"`` times this machine, so it is refused with a table ``device`` other
             than ``"cpu"``.
+        interconnect: under DDP with ``offload="all"``, the link between the ranks that the
+            cost model times the gradients' bucket all-reduces on (ring alpha-beta,
+            ``offload_compiler/collectives.py``): a key of ``offload_compiler.collectives.LINKS``
+            (``"nvlink"``, ``"pcie"``, ``"ib-200g"``, ``"eth-25g"``) or a JSON file written by
+            ``python -m offload_compiler calibrate --collectives``; ``None`` (the default):
+            ``"pcie"``.
     """
 
     memory_budget: MemoryBudget = field(default_factory=lambda: MemoryBudget("auto"))
@@ -304,6 +310,7 @@ class TrinityOptions:
     runtime_check: Literal["replan", "measure", "off"] = "replan"
     strategy: Literal["auto", "offload", "recompute"] = "auto"
     op_times: Literal["roofline", "measured"] = "roofline"
+    interconnect: str | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -471,6 +478,18 @@ def _validate(name: str, value: Any, where: str) -> Any:
         if value not in ("roofline", "measured"):
             raise bad("'roofline' or 'measured'")
         return value
+    if name == "interconnect":
+        if value is None:
+            return None
+        if not isinstance(value, (str, os.PathLike)) or str(value) == "":
+            raise bad("a link name (nvlink, pcie, ib-200g, eth-25g) or a calibrate --collectives JSON file")
+        from .distributed import resolve_interconnect
+
+        try:
+            resolve_interconnect(value)
+        except ValueError as exc:
+            raise ValueError(f"trinity option {where!r}: {exc}") from None
+        return str(value)
     if name == "on_infeasible":
         if value not in _ON_INFEASIBLE:
             raise bad("one of " + ", ".join(repr(v) for v in _ON_INFEASIBLE))

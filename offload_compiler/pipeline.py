@@ -138,6 +138,10 @@ class ModelState:
             (``kept_cap`` of :func:`~.passes.plan_recompute.plan_joint` and
             :func:`~.passes.plan_window.plan`); ``None``: no cap. Planned with
             ``offload="activations"`` and a budget only (:func:`plan_pair` raises otherwise).
+        grad_sync: under DDP with ``offload="all"``, the gradients' all-reduce
+            (:class:`~.passes.grad_sync.GradSyncModel`): the plan buckets the reduced gradients,
+            holds each until its bucket's all-reduce (counted in the peaks) and predicts the
+            step with the all-reduces; ``None``: no gradient averaging.
     """
 
     offload: str = "activations"
@@ -150,6 +154,7 @@ class ModelState:
     step_unplanned_peak_bytes: int = 0
     reuse_count: int = 1
     kept_cap_bytes: int | None = None
+    grad_sync: Any = None
 
     def __post_init__(self):
         if self.offload not in _OFFLOAD_MODES:
@@ -163,6 +168,11 @@ class ModelState:
             raise ValueError(f"ModelState.reuse_count must be >= 1, got {self.reuse_count}")
         if self.kept_cap_bytes is not None and (isinstance(self.kept_cap_bytes, bool) or self.kept_cap_bytes < 0):
             raise ValueError(f"ModelState.kept_cap_bytes must be None or >= 0 bytes, got {self.kept_cap_bytes!r}")
+        if self.grad_sync is not None and self.offload != "all":
+            raise ValueError(
+                f"ModelState.grad_sync: trinity averages gradients itself with offload='all' only, got "
+                f"offload={self.offload!r}"
+            )
 
     @property
     def resident_bytes(self) -> int:
@@ -213,6 +223,11 @@ class Predictions:
         update_seconds / exposed_update_seconds: with ``offload="all"``, the optimizer update's
             seconds per step and the part of it the step waits for (the simulator's update
             channel); else 0.
+        allreduce_seconds / exposed_allreduce_seconds: under DDP with ``offload="all"``
+            (:attr:`ModelState.grad_sync`), the gradient buckets' all-reduces per step (each the
+            ring model's, :meth:`~.passes.grad_sync.GradSyncModel.seconds`, on the simulator's
+            ``"allreduce"`` channel) and the part of them the step waits for (included in
+            ``step_seconds``, not in ``exposed_transfer_seconds``); else 0.
     """
 
     unplanned_peak_bytes: int
@@ -226,6 +241,8 @@ class Predictions:
     peak_bytes_resident_params: int | None = None
     update_seconds: float = 0.0
     exposed_update_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+    exposed_allreduce_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -455,7 +472,7 @@ def plan_pair(
     residency = split = update = None
     view = live
     joint = None
-    update_s = exposed_update_s = 0.0
+    update_s = exposed_update_s = allreduce_s = exposed_allreduce_s = 0.0
     device_state = 0
     t0 = time.perf_counter()
     if ms.params:
@@ -464,7 +481,15 @@ def plan_pair(
 
             update = ms.update if ms.update is not None else cost_model.host_update_model(costs.device)
             split, residency, view, act = optimizer_split.plan(
-                pair, live, costs, ms.params, budget, options.min_offload_bytes, update, options.optimizer_on_device
+                pair,
+                live,
+                costs,
+                ms.params,
+                budget,
+                options.min_offload_bytes,
+                update,
+                options.optimizer_on_device,
+                grad_sync=ms.grad_sync,
             )
             device_state = split.device_state_bytes
             seconds["param_residency"] = time.perf_counter() - t0
@@ -483,7 +508,10 @@ def plan_pair(
             update,
             split.device_param_bytes if split is not None else 0,
         )
-        step_s, exposed_s = timeline.step_seconds, timeline.exposed_seconds
+        allreduce = [c for c in timeline.copies if c.direction == "allreduce"]
+        allreduce_s = float(sum(c.end - c.start for c in allreduce))
+        exposed_allreduce_s = float(sum(c.stall for c in allreduce))
+        step_s, exposed_s = timeline.step_seconds, timeline.exposed_seconds - exposed_allreduce_s
         if update is not None:
             update_s, exposed_update_s = timeline.update_seconds, timeline.exposed_update_seconds
         joint = plan_recompute.JointPlan(
@@ -523,6 +551,8 @@ def plan_pair(
         peak_bytes_resident_params=None if resident_peak is None else resident_peak + extra,
         update_seconds=update_s,
         exposed_update_seconds=exposed_update_s,
+        allreduce_seconds=allreduce_s,
+        exposed_allreduce_seconds=exposed_allreduce_s,
     )
     return PairPlan(
         model_state=ms,
@@ -657,9 +687,20 @@ def _grad_sync(ctx: RewriteContext, plan: PairPlan) -> PairPlan | None:
     sync = ctx.session.grad_sync
     if sync is None or plan.residency is None:
         return None
-    synced = grad_sync.apply(ctx.pair, sync)
-    info = {"id": sync.id, "world_size": sync.world_size, "num_reduced": synced.num_reduced}
-    return replace(plan, grad_sync={**info, "num_inplace": synced.num_inplace})
+    buckets = plan.residency.grad_buckets
+    synced = grad_sync.apply(ctx.pair, sync, [b.slots for b in buckets])
+    model = plan.model_state.grad_sync
+    info = {
+        "id": sync.id,
+        "world_size": sync.world_size,
+        "num_reduced": synced.num_reduced,
+        "num_inplace": synced.num_inplace,
+        "num_buckets": synced.num_buckets,
+        "bucket_bytes": [b.nbytes for b in buckets],
+        "bucket_caps": list(model.bucket_caps) if model is not None else None,
+        "link": model.link.name if model is not None else None,
+    }
+    return replace(plan, grad_sync=info)
 
 
 REWRITE_PASSES: tuple[RewritePass, ...] = (
@@ -899,15 +940,36 @@ class CompileSession:
             if owner is not None:
                 spec = cost_model.apply_overrides(detect_device_spec(self.device, self.options.device), self.options)
                 update = cost_model.host_update_from_optimizer(spec, owner)
+        sync = None
+        if params and self.grad_sync is not None:
+            sync = self._grad_sync_model()
         return ModelState(
             offload=self.options.offload,
             params=params,
             update=update,
+            grad_sync=sync,
             held_bytes=held[0],
             held_unplanned_bytes=held[1],
             step_unplanned_peak_bytes=held[2],
             reuse_count=reuse.runs if reuse is not None else 1,
             kept_cap_bytes=cap,
+        )
+
+    def _grad_sync_model(self):
+        """The :class:`~.passes.grad_sync.GradSyncModel` of :attr:`grad_sync`: its world size and
+        slots, DDP's bucket caps (:func:`~offload_compiler.distributed.ddp_bucket_caps`) and the
+        ``interconnect`` option's link (:func:`~offload_compiler.distributed.resolve_interconnect`)."""
+        from .distributed import ddp_bucket_caps, resolve_interconnect
+
+        sync = self.grad_sync
+        ddp = sync.ddp_ref()
+        if ddp is None:
+            raise RuntimeError("trinity: the DDP module this graph was compiled in no longer exists")
+        return grad_sync.GradSyncModel(
+            world_size=sync.world_size,
+            bucket_caps=ddp_bucket_caps(ddp),
+            link=resolve_interconnect(self.options.interconnect),
+            slot_ids=sync.slot_ids,
         )
 
     def _predicted_reuse(self, pair: GraphPair):

@@ -102,9 +102,12 @@ class TrinityReport:
             ``exposed_update_seconds`` of it waited for, ``update`` what was assumed) and
             ``optimizer_on_device`` the share the plan keeps on the device (parameters, bytes,
             state bytes, the shares tried); under DDP with ``"all"`` also ``grad_sync``: the
-            :class:`~offload_compiler.runtime.grad_sync.GradSync` id, ``world_size``, and how many
-            gradients are all-reduced (``num_reduced``), of them in place (``num_inplace``); else
-            ``None``.
+            :class:`~offload_compiler.runtime.grad_sync.GradSync` id, ``world_size``, how many
+            gradients are all-reduced (``num_reduced``), of them in place (``num_inplace``), in how
+            many buckets (``num_buckets``, one all-reduce each; ``bucket_bytes``, DDP's
+            ``bucket_caps``, the ``link`` assumed), and in the step the buckets' all-reduce
+            seconds (``allreduce_seconds``) and the part of them exposed
+            (``exposed_allreduce_seconds``); else ``None``.
         not_offloaded: saved activations kept on the device because trinity cannot move them
             (``(forward node, reason)``: a tensor subclass, a collective's buffer, ...).
         streams: with ``num_streams`` > 1 and ``inner="eager"``: per graph, ``(graph, streams
@@ -272,6 +275,8 @@ class TrinityReport:
                     "exposed_transfer_seconds": pred.exposed_transfer_seconds,
                     "update_seconds": pred.update_seconds,
                     "exposed_update_seconds": pred.exposed_update_seconds,
+                    "allreduce_seconds": pred.allreduce_seconds,
+                    "exposed_allreduce_seconds": pred.exposed_allreduce_seconds,
                     "update": plan.update.description if plan.update is not None else None,
                     "optimizer_on_device": (
                         {
@@ -380,8 +385,14 @@ class TrinityReport:
                 gs = po["grad_sync"]
                 lines.append(
                     f"  ddp        gradients of {gs['num_reduced']} parameters averaged over {gs['world_size']} ranks "
-                    f"(all-reduce on the device before the copy to host, {gs['num_inplace']} in place)"
+                    f"(all-reduce on the device before the copy to host, {gs['num_inplace']} in place) in "
+                    f"{gs.get('num_buckets', gs['num_reduced'])} bucket all-reduces"
                 )
+                if "allreduce_seconds" in po:
+                    lines.append(
+                        f"  allreduce  {po['allreduce_seconds'] * 1e3:.3f} ms per step on {gs.get('link')}, "
+                        f"{po['exposed_allreduce_seconds'] * 1e3:.3f} ms of it exposed (in the step above)"
+                    )
         if self.streams:
             parts = [
                 f"{g} {used} stream{'s' if used != 1 else ''}, {events} event{'s' if events != 1 else ''} "

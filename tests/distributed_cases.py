@@ -52,6 +52,9 @@ STEPS = 3
 # splits with buckets of this size (the splitter asserts first bucket <= bucket cap).
 BUCKET_CAP_MB = 0.055
 
+# torch's own first-bucket size, restored for the case that runs with DDP's default bucket cap.
+TORCH_FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES
+
 # Between the lowest step peak the ledger reaches for the tiny GPT under DDP and its unplanned peak.
 STEP_BUDGET_BYTES = 5_000_000
 
@@ -125,24 +128,26 @@ def ddp_run(
     micro_steps: int = 1,
     no_sync: bool = False,
     hook: str | None = None,
-    bucket_cap_mb: float = BUCKET_CAP_MB,
+    bucket_cap_mb: float | None = BUCKET_CAP_MB,
     reference: str | None = None,
     on_infeasible: str = "warn",
     shard: bool = False,
 ) -> dict:
     """The same DDP training without trinity (uncompiled DDP, or ``reference``: compiled with
-    that backend) and compiled with trinity; returns the measurements."""
+    that backend) and compiled with trinity; returns the measurements. ``bucket_cap_mb`` None:
+    DDP's defaults (25 MiB buckets, torch's first-bucket size)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # DDP's first bucket as large as the others (one bucket with the default 25 MiB cap).
-    dist._DEFAULT_FIRST_BUCKET_BYTES = int(bucket_cap_mb * 2**20)
+    dist._DEFAULT_FIRST_BUCKET_BYTES = TORCH_FIRST_BUCKET_BYTES if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
+    cap_kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     rank = dist.get_rank()
     torch._dynamo.reset()
     torch.manual_seed(0)
     ref_model = GPTLoss()
     model = copy.deepcopy(ref_model)
-    ref_ddp = ref = DDP(ref_model, bucket_cap_mb=bucket_cap_mb)
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    ref_ddp = ref = DDP(ref_model, **cap_kw)
+    ddp = DDP(model, **cap_kw)
     if hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
@@ -175,16 +180,24 @@ def ddp_run(
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, ref_losses, measured = [], [], 0
-    # Python-level all-reduces during trinity's steps are trinity's own (offload="all"); DDP's
-    # reducer calls the process group from C++.
+    reports_before = len(offload_compiler.reports())
+    # All-reduces issued from Python during trinity's steps are trinity's own (offload="all"):
+    # ProcessGroup.allreduce (a plain dist.all_reduce) and .allreduce_coalesced (one coalesced
+    # collective over several tensors) each count once; DDP's reducer calls the process group
+    # from C++, unseen here.
     all_reduces, per_step = [0], []
-    real_all_reduce = dist.all_reduce
+    pg_class = torch._C._distributed_c10d.ProcessGroup
+    real = {name: getattr(pg_class, name) for name in ("allreduce", "allreduce_coalesced")}
 
-    def counting_all_reduce(*args, **kwargs):
-        all_reduces[0] += 1
-        return real_all_reduce(*args, **kwargs)
+    def counting(name):
+        def call(self, *args, **kwargs):
+            all_reduces[0] += 1
+            return real[name](self, *args, **kwargs)
 
-    dist.all_reduce = counting_all_reduce
+        return call
+
+    for name in real:
+        setattr(pg_class, name, counting(name))
     for step in range(STEPS):
         idx, targets = batch(step, rank)
         chunks = list(zip(idx.chunk(micro_steps), targets.chunk(micro_steps)))
@@ -223,16 +236,31 @@ def ddp_run(
         per_step.append(all_reduces[0] - calls_before)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    dist.all_reduce = real_all_reduce
+    for name, fn in real.items():
+        setattr(pg_class, name, fn)
     if mode == "all":
         opt.synchronize()
     report = offload_compiler.step_report(ddp)
+    # The bucket all-reduces trinity planned per synced backward (offload="all"), over the pairs.
+    syncs = [
+        r.param_offload["grad_sync"]
+        for r in offload_compiler.reports()[reports_before:]
+        if r.param_offload and "grad_sync" in r.param_offload
+    ]
     result = {
         "splits": len(splits),
         "optimizer_state_params": len(opt.state_dict()["state"]) if mode == "all" else None,
         "shard": opt.shard if mode == "all" else None,
         "all_reduces_per_step": per_step,
         "params_needing_grad": sum(p.requires_grad for p in model.parameters()),
+        "planned_buckets": sum(g["num_buckets"] for g in syncs),
+        "bucket_bytes": [b for g in syncs for b in g["bucket_bytes"]],
+        "bucket_caps": [g["bucket_caps"] for g in syncs],
+        "allreduce_seconds": [
+            r.param_offload["allreduce_seconds"]
+            for r in offload_compiler.reports()[reports_before:]
+            if r.param_offload and "grad_sync" in r.param_offload
+        ],
     }
     with materialized(model.parameters()):
         # The final parameters' bits, to compare runs of different cases (sharded and not).
@@ -277,6 +305,12 @@ def case_ddp_params():
 def case_ddp_all():
     """offload='all' with CPUOptimizer(AdamW): gradients averaged by trinity."""
     return ddp_run("all", "60%")
+
+
+def case_ddp_all_default_buckets():
+    """offload='all' with DDP's default bucket cap (25 MiB, first bucket 1 MiB): the tiny model
+    is one graph whose gradients fit the first bucket, one all-reduce per step."""
+    return ddp_run("all", "60%", bucket_cap_mb=None)
 
 
 def case_ddp_all_sharded():

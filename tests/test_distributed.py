@@ -26,6 +26,7 @@ CASES = [
     "ddp_params",
     "ddp_all",
     "ddp_all_no_sync",
+    "ddp_all_default_buckets",
     "ddp_all_sharded",
     "ddp_all_hook_refused",
     "fsdp_blocks",
@@ -113,13 +114,32 @@ def test_ddp_activations_and_params(results):
     within_step_budget(r)
 
 
+BUCKET_CAP_BYTES = int(0.055 * 2**20)  # distributed_cases.BUCKET_CAP_MB
+
+
 def test_ddp_offload_all_averages_gradients_like_ddp(results):
     r = ok(results, "ddp_all")
     assert r["splits"] >= 4
-    # Every parameter's gradient is all-reduced once per synced backward, by trinity.
-    assert r["all_reduces_per_step"] == [r["params_needing_grad"]] * 3
+    # The gradients are all-reduced by trinity in DDP's buckets: one collective per bucket and
+    # synced backward, as planned. DDP's small cap (57,671 bytes, every split's first bucket as
+    # large) gives several buckets over the 4 splits, far fewer than the parameters.
+    n = r["planned_buckets"]
+    assert r["all_reduces_per_step"] == [n] * 3
+    assert r["splits"] <= n < r["params_needing_grad"] // 2, (n, r["params_needing_grad"])
+    assert all(caps == [BUCKET_CAP_BYTES] for caps in r["bucket_caps"]), r["bucket_caps"]
+    assert all(0 < b <= BUCKET_CAP_BYTES for b in r["bucket_bytes"]) and len(r["bucket_bytes"]) == n
+    assert all(s > 0 for s in r["allreduce_seconds"]) and len(r["allreduce_seconds"]) == r["splits"]
     assert r["loss_rel_err"] <= 1e-6 and r["param_rel_err"] <= 1e-6 and r["rank_max_diff"] == 0
     within_step_budget(r)
+
+
+def test_ddp_offload_all_with_default_buckets_reduces_once_per_step(results):
+    r = ok(results, "ddp_all_default_buckets")
+    # DDP's default: 25 MiB buckets after a first bucket of 1 MiB; the tiny model (one graph,
+    # about 220 kB of gradients) fits the first bucket: one all-reduce per step.
+    assert r["splits"] == 1 and r["bucket_caps"] == [[2**20, 25 * 2**20]]
+    assert r["planned_buckets"] == 1 and r["all_reduces_per_step"] == [1] * 3
+    assert r["loss_rel_err"] <= 1e-6 and r["param_rel_err"] <= 1e-6 and r["rank_max_diff"] == 0
 
 
 def test_ddp_offload_all_with_a_sharded_cpu_optimizer(results):
@@ -137,8 +157,9 @@ def test_ddp_offload_all_with_a_sharded_cpu_optimizer(results):
 
 def test_ddp_offload_all_respects_no_sync(results):
     r = ok(results, "ddp_all_no_sync")
-    # Two micro-steps per step, the first under no_sync: one reduction per parameter, not two.
-    assert r["all_reduces_per_step"] == [r["params_needing_grad"]] * 3
+    # Two micro-steps per step, the first under no_sync: one all-reduce per bucket, not two.
+    n = r["planned_buckets"]
+    assert r["all_reduces_per_step"] == [n] * 3 and r["splits"] <= n < r["params_needing_grad"] // 2
     assert r["param_rel_err"] <= 1e-6 and r["rank_max_diff"] == 0
 
 

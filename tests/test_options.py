@@ -37,6 +37,7 @@ EXPECTED_ALLOWED = sorted(
         "runtime_check",
         "strategy",
         "op_times",
+        "interconnect",
         "peak_flops",
         "hbm_bytes_per_s",
         "h2d_bytes_per_s",
@@ -360,6 +361,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "optimizer_on_device": "auto",
         "strategy": "offload",
         "op_times": "roofline",
+        "interconnect": "ib-200g",
     }
     opts = build(options)
     assert opts.to_dict() == {
@@ -388,6 +390,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "optimizer_on_device": "auto",
         "strategy": "offload",
         "op_times": "roofline",
+        "interconnect": "ib-200g",
     }
     assert_round_trips(opts)
 
@@ -738,6 +741,22 @@ def test_op_times_forms_and_errors():
         build({"op_times": "measured"}, env={"TRINITY_DEVICE": "h100-sxm"})
     # The host CPU's entry is this machine (where the graph runs on the CPU): allowed.
     assert build({"op_times": "measured", "device": "cpu"}).device == "cpu"
+
+
+def test_interconnect_forms_and_errors(tmp_path):
+    assert build().interconnect is None
+    assert build({"interconnect": "nvlink"}).interconnect == "nvlink"
+    assert build(env={"TRINITY_INTERCONNECT": "eth-25g"}).interconnect == "eth-25g"
+    assert_round_trips(build({"interconnect": "pcie"}))
+    link = tmp_path / "collectives.json"
+    link.write_text('{"link": {"name": "loopback", "bytes_per_s": 1e9, "alpha_s": 2e-5}}')
+    assert build({"interconnect": str(link)}).interconnect == str(link)
+    for bad in ("infiniband", "", 3, True):
+        with pytest.raises(ValueError, match=r"'interconnect'") as info:
+            build({"interconnect": bad})
+        assert repr(bad) in str(info.value) or "infiniband" in str(info.value)
+    with pytest.raises(ValueError, match=r"'interconnect'.*cannot be read"):
+        build({"interconnect": str(tmp_path / "missing.json")})
 
 
 def test_runtime_check_forms_and_errors():

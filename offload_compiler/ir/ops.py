@@ -76,10 +76,13 @@ Gradient-sync ops (DDP with ``offload="all"``; ``sync`` is the id of a
 :class:`~offload_compiler.runtime.grad_sync.GradSync`):
 
 * ``trinity::grad_sync_mark(int sync) -> ()``: records whether this forward's backward syncs.
-* ``trinity::grad_reduce(Tensor(a!) g, int slot, int rt, int sync, bool inplace) -> ()``: where
-  ``grad_to_host`` was: average ``g`` over the ranks (all-reduce issued), or accumulate locally.
+* ``trinity::grad_reduce(Tensor(a!) g, int slot, int rt, int sync, bool inplace, int bucket,
+  bool launch) -> ()``: where ``grad_to_host`` was: scale ``g`` for averaging over the ranks and
+  add it to its all-reduce bucket ``bucket``; ``launch``: the bucket's last gradient, whose op
+  issues the bucket's one all-reduce. Without sync: accumulate locally.
 * ``trinity::grad_reduce_wait(Tensor g, int slot, int rt, int sync) -> ()``: where
-  ``grad_to_host_wait`` was: wait for the all-reduce and the averaged gradient's copy to the host.
+  ``grad_to_host_wait`` was: wait for the bucket's all-reduce and the averaged gradient's copy to
+  the host.
 
 ``torch.library.custom_op`` cannot express these (it forbids mutated-and-returned aliasing
 patterns and cannot mark the keep-alive), so they are defined with ``torch.library.Library``;
@@ -133,7 +136,9 @@ SCHEMAS = {
     "grad_to_host": "grad_to_host(Tensor g, int slot, int rt) -> ()",
     "grad_to_host_wait": "grad_to_host_wait(Tensor g, int slot, int rt) -> ()",
     "grad_sync_mark": "grad_sync_mark(int sync) -> ()",
-    "grad_reduce": "grad_reduce(Tensor(a!) g, int slot, int rt, int sync, bool inplace) -> ()",
+    "grad_reduce": (
+        "grad_reduce(Tensor(a!) g, int slot, int rt, int sync, bool inplace, int bucket, bool launch) -> ()"
+    ),
     "grad_reduce_wait": "grad_reduce_wait(Tensor g, int slot, int rt, int sync) -> ()",
 }
 

@@ -67,11 +67,11 @@ class OptimizerSplit:
         return self.device_param_bytes / self.total_param_bytes if self.total_param_bytes else 0.0
 
 
-def _plan_rest(pair, live, costs, chosen, budget, min_offload_bytes):
+def _plan_rest(pair, live, costs, chosen, budget, min_offload_bytes, grad_sync=None):
     """Residency and activation plans of the offloaded parameters ``chosen`` under ``budget``
     (:func:`~.param_residency.plan_with_activations`, the planning spine's loop)."""
     residency, view, act, _ = param_residency.plan_with_activations(
-        pair, live, costs, chosen, "all", budget, min_offload_bytes
+        pair, live, costs, chosen, "all", budget, min_offload_bytes, grad_sync=grad_sync
     )
     return residency, view, act
 
@@ -86,6 +86,7 @@ def plan(
     update: HostUpdate,
     request: float | str = 0.0,
     shares: tuple[float, ...] = AUTO_SHARES,
+    grad_sync=None,
 ):
     """Choose the split and plan the rest (see the module docstring).
 
@@ -97,6 +98,8 @@ def plan(
         update: the optimizer update's model.
         request: ``optimizer_on_device``: ``"auto"`` or a share in 0.0..1.0.
         shares: the shares ``"auto"`` tries.
+        grad_sync: under DDP, the :class:`~.grad_sync.GradSyncModel` (the offloaded gradients'
+            all-reduce buckets, in the plans and their simulated steps).
 
     Returns:
         ``(split, residency plan, activation view of the liveness, activation plan)``; with
@@ -107,7 +110,7 @@ def plan(
     """
     if request != "auto" and not (isinstance(request, (int, float)) and 0.0 <= request <= 1.0):
         raise ValueError(f"optimizer_on_device: got {request!r}; expected 'auto' or a number from 0.0 to 1.0")
-    full = param_residency.plan(pair, live, costs, chosen, "all", live.live_bytes(), budget)
+    full = param_residency.plan(pair, live, costs, chosen, "all", live.live_bytes(), budget, grad_sync=grad_sync)
     position = {ph: i for i, ph in enumerate(pair.forward.graph.find_nodes(op="placeholder"))}
     n = live.num_steps
 
@@ -137,7 +140,7 @@ def plan(
         if rest_budget is not None and rest_budget < 0 and k:
             candidates.append((kept_bytes / total if total else 0.0, float("inf"), False))
             continue
-        residency, view, act = _plan_rest(pair, live, costs, rest, rest_budget, min_offload_bytes)
+        residency, view, act = _plan_rest(pair, live, costs, rest, rest_budget, min_offload_bytes, grad_sync)
         timeline = param_residency.step_timeline(
             residency, costs, plan_window.copy_tasks(act.evictions, costs), update, kept_bytes
         )

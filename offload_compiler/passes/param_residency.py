@@ -27,6 +27,14 @@ schedule (steps as in :mod:`.liveness`):
   after the ``grad_to_host`` when the windows are shrunk): the gradient's device memory counts
   until there.
 
+**DDP buckets** (``offload="all"`` under DDP, a :class:`~.grad_sync.GradSyncModel`): the
+reduced gradients, in the order the backward issues them, form all-reduce buckets
+(:func:`~.grad_sync.bucket_layout`, :attr:`ResidencyPlan.grad_buckets`); a bucket's all-reduce is
+issued after its last gradient, so every gradient of a bucket is waited for no earlier than that
+and, with windows, after the fewest nodes whose compute covers the all-reduce's time: the
+gradients' device memory counts until there, in the predicted peak and in the activation
+planner's view.
+
 **Working window.** A fetch is issued ``window_steps`` nodes before the reader, the fewest such
 that the cost model's compute time of those nodes covers the parameter's host-to-device copy
 time (so the copy hides under compute on a GPU). If the predicted peak with those windows is over
@@ -136,6 +144,8 @@ class ResidencyPlan:
             ``"all"``), bytes.
         max_window_steps: the largest fetch lead, in nodes.
         window_seconds: the largest fetch lead, in the cost model's compute seconds.
+        grad_buckets: under DDP with ``"all"``, the all-reduce buckets of the reduced gradients
+            (:class:`~.grad_sync.GradBucket`), in launch order; else empty.
     """
 
     mode: str
@@ -149,6 +159,7 @@ class ResidencyPlan:
     host_bytes: int
     max_window_steps: int
     window_seconds: float
+    grad_buckets: tuple = ()
 
     def resident_param_bytes(self) -> np.ndarray:
         """Parameter bytes on the device at each step (int64 array of ``num_steps``)."""
@@ -196,10 +207,10 @@ def _lead(first_use: int, floor: int, nbytes: int, costs: Costs) -> int:
     return first_use - s
 
 
-def _trail(after: int, ceiling: int, nbytes: int, costs: Costs) -> int:
+def _trail(after: int, ceiling: int, nbytes: int, costs: Costs, seconds: float | None = None) -> int:
     """The last step of the fewest steps after ``after`` (not past ``ceiling``) whose compute
-    covers the device-to-host copy of ``nbytes``."""
-    need = costs.transfer_seconds(nbytes, "d2h")
+    covers the device-to-host copy of ``nbytes`` (or ``seconds``, where given)."""
+    need = costs.transfer_seconds(nbytes, "d2h") if seconds is None else seconds
     s, acc = after, 0.0
     while s < ceiling and acc < need:
         s += 1
@@ -217,6 +228,7 @@ def plan(
     budget: int | None,
     host_grad: bool | None = None,
     use_windows: bool = True,
+    grad_sync=None,
 ) -> ResidencyPlan:
     """Plan the residency of the parameters in ``slots``.
 
@@ -232,6 +244,8 @@ def plan(
         host_grad: send gradients to host; defaults to ``mode == "all"``.
         use_windows: fetch ahead by the working window; ``False`` fetches right before the first
             reader (the caller retries with it when the windows make the budget unreachable).
+        grad_sync: under DDP with ``"all"``, the :class:`~.grad_sync.GradSyncModel`: the reduced
+            gradients are bucketed and waited for after their bucket's launch (module docstring).
 
     Returns:
         A :class:`ResidencyPlan`.
@@ -247,6 +261,9 @@ def plan(
         p = _plan_param(ctx, index, slot_id)
         if p is not None:
             params.append(p)
+    buckets: tuple = ()
+    if grad_sync is not None and ctx.host_grad:
+        params, buckets = _bucket_grads(ctx, params, grad_sync)
     peak = int(_predicted_live(live, base_live, params).max()) if live.num_steps else 0
     return ResidencyPlan(
         mode=mode,
@@ -260,7 +277,49 @@ def plan(
         host_bytes=sum(host for _, host in slots.values()),
         max_window_steps=max([max(p.fw_window_steps, p.bw_window_steps) for p in params], default=0),
         window_seconds=_window_seconds(params, costs),
+        grad_buckets=buckets,
     )
+
+
+def _bucket_grads(ctx: _PlanContext, params: list[ParamResidency], model) -> tuple[list[ParamResidency], tuple]:
+    """The reduced gradients of ``params`` in buckets (:func:`~.grad_sync.bucket_layout`, in the
+    order the backward issues them) and ``params`` with each bucket's gradients waited for at
+    or after the bucket's launch: after the fewest nodes whose compute covers its all-reduce
+    (:meth:`~.grad_sync.GradSyncModel.seconds`), with windows; right at the launch without."""
+    from .grad_sync import GradBucket, bucket_layout
+
+    last = ctx.live.num_steps - 1
+    reduced = sorted(
+        (i for i, p in enumerate(params) if p.grad_to_host_after is not None and p.slot in model.slot_ids),
+        key=lambda i: (params[i].grad_to_host_after, i),
+    )
+
+    def dtype(p: ParamResidency):
+        val = p.placeholder_ref.meta.get("val") if p.placeholder_ref is not None else None
+        return getattr(val, "dtype", None)
+
+    layout = bucket_layout([(i, params[i].nbytes, dtype(params[i])) for i in reduced], model.bucket_caps)
+    out = list(params)
+    buckets = []
+    for members in layout:
+        nbytes = sum(params[i].nbytes for i in members)
+        seconds = model.seconds(nbytes)
+        launch = max(params[i].grad_to_host_after for i in members)
+        floor = _trail(launch, last - 1, 0, ctx.costs, seconds) if ctx.use_windows else launch
+        floor = max(floor, launch)
+        for i in members:
+            own = params[i].grad_wait_after if params[i].grad_wait_after is not None else launch
+            out[i] = replace(params[i], grad_wait_after=max(own, floor))
+        buckets.append(
+            GradBucket(
+                slots=tuple(params[i].slot for i in members),
+                nbytes=nbytes,
+                launch_after=launch,
+                wait_after=min(out[i].grad_wait_after for i in members),
+                seconds=seconds,
+            )
+        )
+    return out, tuple(buckets)
 
 
 @dataclass(frozen=True)
@@ -670,20 +729,36 @@ def copy_tasks(the_plan: ResidencyPlan, costs: Costs, first_id: int = 0) -> list
     * per write-back (``"activations+params"``), a D2H copy issued and waited for where the
       storage is freed (exposed);
     * per gradient sent to host, a D2H copy issued after the node that makes it (or the
-      parameter's last backward reader) and waited for at its ``grad_to_host_wait``.
+      parameter's last backward reader) and waited for at its ``grad_to_host_wait``;
+    * under DDP (:attr:`ResidencyPlan.grad_buckets`), per bucket an all-reduce on its own
+      ``"allreduce"`` channel, issued after its last gradient and waited for at its first
+      gradient's wait; a reduced gradient's D2H copy is issued and waited for at its wait, after
+      the all-reduce.
     """
     return _copy_tasks(the_plan, costs, first_id)[0]
 
 
 def _copy_tasks(the_plan: ResidencyPlan, costs: Costs, first_id: int) -> tuple[list, dict[int, int]]:
-    """:func:`copy_tasks` and, per parameter (its placeholder's name), the id of its gradient's copy."""
+    """:func:`copy_tasks` and, per parameter (its placeholder's name), the id of its gradient's copy.
+
+    Under DDP (:attr:`ResidencyPlan.grad_buckets`) each bucket's all-reduce is a task of the
+    ``"allreduce"`` channel, issued after the bucket's last gradient and waited for at its first
+    gradient's wait; a reduced gradient's copy to the host is issued and waited for at its own
+    wait, after its bucket's all-reduce (``after``), as ``trinity::grad_reduce_wait`` does."""
+    from .simulate import CopyTask
 
     tasks = []
     grad_copy: dict[int, int] = {}
 
-    def add(direction, nbytes, issue, wait):
-        tasks.append(costs.copy_task(first_id + len(tasks), direction, nbytes, issue, wait))
+    def add(direction, nbytes, issue, wait, after=()):
+        task = costs.copy_task(first_id + len(tasks), direction, nbytes, issue, wait)
+        tasks.append(replace(task, after=tuple(after)) if after else task)
 
+    allreduce_of: dict[int, int] = {}  # slot -> its bucket's all-reduce task id
+    for b in the_plan.grad_buckets:
+        tid = first_id + len(tasks)
+        tasks.append(CopyTask(tid, "allreduce", b.seconds, b.launch_after + 1, b.wait_after + 1))
+        allreduce_of.update((slot, tid) for slot in b.slots)
     for p in the_plan.params:
         if p.fw_fetch_before is not None and the_plan.mode == "all":
             wait = p.fw_wait_before if p.fw_wait_before is not None else p.fw_fetch_before
@@ -695,7 +770,10 @@ def _copy_tasks(the_plan: ResidencyPlan, costs: Costs, first_id: int) -> tuple[l
             add("h2d", p.nbytes, p.bw_fetch_before, wait)
         if p.grad_to_host_after is not None:
             wait = p.grad_wait_after if p.grad_wait_after is not None else p.grad_to_host_after
-            add("d2h", p.nbytes, p.grad_to_host_after + 1, wait + 1)
+            if p.slot in allreduce_of:
+                add("d2h", p.nbytes, wait + 1, wait + 1, (allreduce_of[p.slot],))
+            else:
+                add("d2h", p.nbytes, p.grad_to_host_after + 1, wait + 1)
             grad_copy[p.placeholder] = tasks[-1].id
     return tasks, grad_copy
 
@@ -790,10 +868,11 @@ def plan_with_activations(
     budget: int | None,
     min_offload_bytes: int,
     host_grad: bool | None = None,
+    grad_sync=None,
 ):
     """The residency of the parameters in ``slots`` and the activation plan on device memory with
     that residency, under ``budget``: working windows first; if they make the budget unreachable,
-    both again without windows. The one loop the planning spine
+    both again without windows. ``grad_sync``: :func:`plan`'s (DDP's buckets). The one loop the planning spine
     (:func:`offload_compiler.pipeline.plan_pair`) and :mod:`.optimizer_split` plan with.
 
     Returns:
@@ -806,7 +885,7 @@ def plan_with_activations(
     plan_s = 0.0
     for use_windows in (True, False):
         t0 = time.perf_counter()
-        residency = plan(pair, live, costs, slots, mode, live.live_bytes(), budget, host_grad, use_windows)
+        residency = plan(pair, live, costs, slots, mode, live.live_bytes(), budget, host_grad, use_windows, grad_sync)
         view = activation_view(live, residency)
         plan_s += time.perf_counter() - t0
         act = plan_window.plan(view, costs, budget, min_offload_bytes)

@@ -51,17 +51,26 @@ __all__ = [
 class CopyTask:
     """One copy: issued at position ``issue_pos``, waited for at position ``wait_pos``.
 
+    ``direction`` names its channel: ``"d2h"``, ``"h2d"``, or ``"allreduce"`` (a gradient
+    bucket's all-reduce between the ranks, DDP with ``offload="all"``: the network's own channel).
+
     ``on_compute``: a synchronous copy (the device is the host CPU, see
     :attr:`.cost_model.Costs.synchronous_copies`): it runs on the compute stream where it is
     issued, after the copies issued before it there, and all of its ``seconds`` are exposed
-    (its wait then finds it done). Its channel is not used."""
+    (its wait then finds it done). Its channel is not used.
+
+    ``after``: ids of copies issued earlier that must end before it starts (an averaged
+    gradient's copy to the host after its bucket's all-reduce). Where it runs on the compute
+    stream, the compute stream waits for them first: that stall is theirs (their
+    :attr:`CopyTiming.stall`)."""
 
     id: int
-    direction: Literal["d2h", "h2d"]
+    direction: Literal["d2h", "h2d", "allreduce"]
     seconds: float
     issue_pos: int
     wait_pos: int
     on_compute: bool = False
+    after: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -155,7 +164,7 @@ def simulate(step_seconds: Sequence[float], copies: Sequence[CopyTask], updates:
             )
         issues.setdefault(c.issue_pos, []).append(c)
         waits.setdefault(c.wait_pos, []).append(c)
-    free = {"d2h": 0.0, "h2d": 0.0}
+    free = {"d2h": 0.0, "h2d": 0.0, "allreduce": 0.0}
     timing: dict[int, list[float]] = {}
     t = 0.0
     exposed = 0.0
@@ -186,11 +195,21 @@ def simulate(step_seconds: Sequence[float], copies: Sequence[CopyTask], updates:
 def _issue(c: CopyTask, t: float, free: dict[str, float], timing: dict[int, list[float]]) -> tuple[float, float]:
     """Issue copy ``c`` at time ``t``: records its ``[issue, start, end, stall]`` in ``timing``;
     returns the compute stream's time after it and the stall it caused there (a synchronous copy
-    runs on the compute stream, exposed in full; any other starts when its channel is free)."""
+    runs on the compute stream, exposed in full; any other starts when its channel is free),
+    both after the copies of ``c.after``."""
+    missing = [a for a in c.after if a not in timing]
+    if missing:
+        raise ValueError(f"copy {c.id} is issued before the copies {missing} it must follow")
+    dep = max((timing[a][2] for a in c.after), default=0.0)
     if c.on_compute:
-        timing[c.id] = [t, t, t + c.seconds, c.seconds]
-        return t + c.seconds, c.seconds
-    start = max(t, free[c.direction])
+        stall = 0.0
+        if dep > t:
+            last = max(c.after, key=lambda a: timing[a][2])
+            timing[last][3] += dep - t
+            stall, t = dep - t, dep
+        timing[c.id] = [t - stall, t, t + c.seconds, c.seconds]
+        return t + c.seconds, stall + c.seconds
+    start = max(t, free[c.direction], dep)
     free[c.direction] = start + c.seconds
     timing[c.id] = [t, start, start + c.seconds, 0.0]
     return t, 0.0
@@ -231,7 +250,7 @@ def _simulate_with_updates(
 
     def one_step(carry: dict[int, float]):
         """One step; ``carry``: the previous step's update end times, relative to this step's start."""
-        free = {"d2h": 0.0, "h2d": 0.0}
+        free = {"d2h": 0.0, "h2d": 0.0, "allreduce": 0.0}
         host = max([0.0, *carry.values()])  # the update channel finishes the previous step's work first
         timing: dict[int, list[float]] = {}
         done: dict[int, list[float]] = {}

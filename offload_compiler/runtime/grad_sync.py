@@ -10,20 +10,27 @@ does with a gradient bucket, per gradient, on the device, before the device-to-h
   forward syncs the gradients of its backward. DDP decides that in its forward
   (``require_backward_grad_sync``, turned off by ``no_sync()``; the reducer is prepared in
   ``_post_forward``), and so does this op: the latest forward of the pair decides.
-* ``trinity::grad_reduce(Tensor g, int slot, int rt, int sync, bool inplace) -> ()``, where
-  ``grad_to_host`` was: without sync, exactly ``grad_to_host`` (the gradient is accumulated on
-  the host, locally). With sync, like DDP's reducer with no communication hook
-  (``reducer.cpp``, ``mark_variable_ready_dense``): the bucket entry is the accumulated gradient
-  ``grad + g`` (the host gradient accumulated so far, copied to the device, when there is one:
-  ``no_sync`` micro-steps, or a step without ``zero_grad``) times ``1 / world_size``, then
-  all-reduced with ``SUM`` over DDP's process group. The all-reduce is issued asynchronously
-  (``async_op=True``) and overlaps the rest of the backward. ``inplace``: the graph reads ``g``
-  no more (the pass checked it), so the sum and the scaling are done in ``g`` itself; else in a
-  new tensor (one more gradient-sized buffer until the wait).
+* ``trinity::grad_reduce(Tensor g, int slot, int rt, int sync, bool inplace, int bucket, bool
+  launch) -> ()``, where ``grad_to_host`` was: without sync, exactly ``grad_to_host`` (the
+  gradient is accumulated on the host, locally). With sync, like DDP's reducer with no
+  communication hook (``reducer.cpp``, ``mark_variable_ready_dense``): the bucket entry is the
+  accumulated gradient ``grad + g`` (the host gradient accumulated so far, copied to the device,
+  when there is one: ``no_sync`` micro-steps, or a step without ``zero_grad``) times
+  ``1 / world_size``; it joins bucket ``bucket``. ``launch`` (the bucket's last gradient, chosen
+  by :mod:`offload_compiler.passes.grad_sync`): the bucket's entries are all-reduced with ``SUM``
+  over DDP's process group in ONE collective, asynchronously, overlapping the rest of the
+  backward: ``torch.distributed._coalescing_manager`` over the entries' own tensors (one
+  ``ProcessGroup.allreduce_coalesced``; gloo and NCCL both implement it; no flat bucket buffer is
+  allocated here), or a plain ``all_reduce`` for a bucket of one. ``inplace``: the graph reads
+  ``g`` no more (the pass checked it), so the sum and the scaling are done in ``g`` itself; else
+  in a new tensor (one more gradient-sized buffer until the wait).
 * ``trinity::grad_reduce_wait(Tensor g, int slot, int rt, int sync) -> ()``, where
-  ``grad_to_host_wait`` was: waits for the all-reduce, sends the averaged gradient to the host
-  (replacing the host gradient, which it includes) and waits for that copy. ``g`` stays alive
-  until here (keep-alive through the IR).
+  ``grad_to_host_wait`` was: waits for its bucket's all-reduce, sends the averaged gradient to the
+  host (replacing the host gradient, which it includes) and waits for that copy. ``g`` stays
+  alive until here (keep-alive through the IR). A wait whose bucket has not been launched yet
+  (its last gradient not issued; the planner never places one so) launches the entries the bucket
+  has so far, and a later entry of that bucket starts a new part: every rank runs the same graph,
+  so every rank issues the same collectives in the same order, and nothing deadlocks.
 
 The result equals DDP's: ``(grad + g) * (1 / world_size)`` summed over ranks; the addition
 ``g + grad`` is the commutative twin of autograd's ``grad += g`` (the same bits), and with two
@@ -32,8 +39,7 @@ producing a gradient of one parameter (a weight read on both sides of a graph br
 reduced one after the other, each folding in what the host holds: ``R1 + avg(g2)``, the value
 DDP gets from accumulating a reduced gradient.
 
-Gradients are reduced one tensor at a time (not in DDP's 25 MiB buckets): simple and exact, at
-the cost of one collective per parameter. Every rank receives every averaged gradient; with
+Every rank receives every averaged gradient; with
 ``CPUOptimizer(shard_group=...)`` each rank then updates only its share of the parameters and
 broadcasts it (:mod:`.cpu_optim`), else every rank updates every parameter on identical gradients.
 """
@@ -58,6 +64,22 @@ _registry: weakref.WeakValueDictionary[int, GradSync] = weakref.WeakValueDiction
 _registry_lock = threading.Lock()
 
 
+class _Launch:
+    """One issued all-reduce of a bucket (or of the part of it issued before a wait needed it):
+    its work handle, waited for once by the first of its gradients' waits."""
+
+    __slots__ = ("work", "done")
+
+    def __init__(self, work):
+        self.work = work
+        self.done = False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.work.wait()
+            self.done = True
+
+
 class GradSync:
     """Gradient averaging of one compiled graph pair under one DDP module.
 
@@ -72,6 +94,7 @@ class GradSync:
         world_size: ranks in DDP's process group.
         sync: whether the latest forward asked for synced gradients.
         num_reduced: gradients all-reduced so far (for tests and reports).
+        num_collectives: all-reduces issued so far (one per bucket and synced backward).
     """
 
     def __init__(self, ddp: torch.nn.Module, slot_ids: frozenset[int]):
@@ -81,7 +104,10 @@ class GradSync:
         self.slot_ids = frozenset(slot_ids)
         self.sync = True
         self.num_reduced = 0
-        self._inflight: dict[int, tuple] = {}
+        self.num_collectives = 0
+        self._pending: dict[int, list[tuple[int, torch.Tensor]]] = {}  # bucket -> entries not launched
+        self._bucket_of: dict[int, int] = {}  # slot -> bucket of its pending entry
+        self._inflight: dict[int, tuple[_Launch, torch.Tensor]] = {}  # slot -> (its launch, its entry)
         self._lock = threading.Lock()
         with _registry_lock:
             self.id = next(_ids)
@@ -92,7 +118,7 @@ class GradSync:
         ddp = self.ddp_ref()
         self.sync = bool(getattr(ddp, "require_backward_grad_sync", True)) if ddp is not None else True
 
-    def reduce(self, g: torch.Tensor, slot_id: int, runtime, inplace: bool) -> None:
+    def reduce(self, g: torch.Tensor, slot_id: int, runtime, inplace: bool, bucket: int, launch: bool) -> None:
         """``trinity::grad_reduce`` (module docstring)."""
         slot = get_slot(slot_id)
         if not self.sync or slot_id not in self.slot_ids:
@@ -103,22 +129,44 @@ class GradSync:
         if slot.grad_valid:
             held = torch.empty_like(g)
             held.copy_(slot.grad)  # host -> device (DDP's bucket holds the accumulated .grad)
-            bucket = g.add_(held) if inplace else torch.add(g, held)
+            entry = g.add_(held) if inplace else torch.add(g, held)
             del held
-            bucket.mul_(scale)
+            entry.mul_(scale)
         else:
-            bucket = g.mul_(scale) if inplace else torch.mul(g, scale)
-        work = dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            entry = g.mul_(scale) if inplace else torch.mul(g, scale)
         with self._lock:
-            self._inflight[slot_id] = (work, bucket)
+            self._pending.setdefault(bucket, []).append((slot_id, entry))
+            self._bucket_of[slot_id] = bucket
+            if launch:
+                self._launch(bucket)
+
+    def _launch(self, bucket: int) -> None:
+        """Issue one all-reduce over the pending entries of ``bucket`` (caller holds the lock)."""
+        entries = self._pending.pop(bucket, [])
+        if not entries:
+            return
+        tensors = [t for _, t in entries]
+        if len(tensors) == 1:
+            work = dist.all_reduce(tensors[0], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        else:
+            with dist._coalescing_manager(group=self.group, async_ops=True) as work:
+                for t in tensors:
+                    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        launched = _Launch(work)
+        for slot_id, t in entries:
+            self._bucket_of.pop(slot_id, None)
+            self._inflight[slot_id] = (launched, t)
+        self.num_collectives += 1
 
     def wait(self, g: torch.Tensor, slot_id: int, runtime) -> None:
         """``trinity::grad_reduce_wait`` (module docstring)."""
         with self._lock:
+            if slot_id not in self._inflight and slot_id in self._bucket_of:
+                self._launch(self._bucket_of[slot_id])  # its bucket's last gradient has not come yet
             entry = self._inflight.pop(slot_id, None)
         if entry is not None:
-            work, bucket = entry
-            work.wait()
+            launched, bucket = entry
+            launched.wait()
             slot = get_slot(slot_id)
             slot.grad_valid = False  # the host gradient is replaced: the bucket includes it
             slot.add_grad(bucket, runtime)
@@ -144,8 +192,8 @@ def _grad_sync_mark(sync: int) -> None:
     get_grad_sync(sync).mark()
 
 
-def _grad_reduce(g: torch.Tensor, slot: int, rt: int, sync: int, inplace: bool) -> None:
-    get_grad_sync(sync).reduce(g, slot, get_runtime(rt), inplace)
+def _grad_reduce(g: torch.Tensor, slot: int, rt: int, sync: int, inplace: bool, bucket: int, launch: bool) -> None:
+    get_grad_sync(sync).reduce(g, slot, get_runtime(rt), inplace, bucket, launch)
 
 
 def _grad_reduce_wait(g: torch.Tensor, slot: int, rt: int, sync: int) -> None:
