@@ -283,6 +283,13 @@ class TrinityOptions:
             (``"nvlink"``, ``"pcie"``, ``"ib-200g"``, ``"eth-25g"``) or a JSON file written by
             ``python -m offload_compiler calibrate --collectives``; ``None`` (the default):
             ``"pcie"``.
+        solver_time_limit: seconds the joint planner's MIP solver (``strategy="auto"``,
+            ``passes/plan_recompute.py``) searches before it stops at an incumbent better than
+            its start (soft: it searches
+            :data:`~offload_compiler.passes.plan_recompute.SOLVER_START_PATIENCE_S` more for
+            one, and up to ``max(this, 10)`` s when it has none). Default 0.5 (the demo GPT at 48
+            layers plans in under 2 s); a larger value can find a faster plan for a large model
+            (the previous frontier run, whose solver searched longer, had llama-7b's plan 2% faster).
     """
 
     memory_budget: MemoryBudget = field(default_factory=lambda: MemoryBudget("auto"))
@@ -311,6 +318,7 @@ class TrinityOptions:
     strategy: Literal["auto", "offload", "recompute"] = "auto"
     op_times: Literal["roofline", "measured"] = "roofline"
     interconnect: str | None = None
+    solver_time_limit: float = 0.5
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -537,6 +545,16 @@ def _validate(name: str, value: Any, where: str) -> Any:
         if not 0.0 <= share <= 1.0:
             raise bad("'auto' or a number from 0.0 to 1.0 (the share of the parameter bytes)")
         return share
+    if name == "solver_time_limit":
+        try:
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError
+            limit = float(value)
+        except (ValueError, OverflowError):
+            raise bad("a number of seconds, > 0 and at most 3600") from None
+        if not (math.isfinite(limit) and 0 < limit <= 3600):
+            raise bad("a number of seconds, > 0 and at most 3600")
+        return limit
     if name in ("peak_flops", "hbm_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_bytes_per_s"):
         if value is None:
             return None

@@ -530,6 +530,7 @@ def plan_pair(
             margins=margins,
             earlier_runs=runs - 1,
             kept_cap=ms.kept_cap_bytes,
+            time_limit_s=options.solver_time_limit,
         )
         seconds["plan_window"] = time.perf_counter() - t0  # the joint planner, plan_window included
         act, view, costs = joint.plan, joint.liveness, joint.costs

@@ -327,11 +327,13 @@ def plan_step(
     cpu_optimizer: str = "exact",
     overlap: str = "forward",
     optimizer_on_device: float | str = 0.0,
+    solver_time_limit: float = 0.5,
 ) -> PlanResult:
     """Plan a traced training step for each budget on ``device`` through the backend's spine:
     :func:`~offload_compiler.pipeline.prepare`, then
     :func:`~offload_compiler.pipeline.plan_pair` with the options the backend would have
-    (``memory_budget`` = the row's budget, ``inner``, ``offload``, ``min_offload_bytes``) and a
+    (``memory_budget`` = the row's budget, ``inner``, ``offload``, ``min_offload_bytes``,
+    ``solver_time_limit``) and a
     :class:`~offload_compiler.pipeline.ModelState` holding the parameters to offload (every
     ``nn.Parameter``, as the backend's slots) and the optimizer's state bytes. ``traced`` must
     have been traced with the same ``inner``. Mutates ``traced.pair`` (prepare). ``strategy``,
@@ -358,6 +360,7 @@ def plan_step(
     parsed = _parse_budgets(budgets, device)
     user = {"inner": inner, "offload": offload, "min_offload_bytes": min_offload_bytes, "verify": False}
     user["strategy"] = strategy
+    user["solver_time_limit"] = solver_time_limit
     if offload == "all":
         user["optimizer_on_device"] = optimizer_on_device
     base = TrinityOptions.from_user(user, env={})
@@ -445,6 +448,7 @@ def plan_model(
     overlap: str = "forward",
     optimizer_on_device: float | str = 0.0,
     traced: TracedStep | None = None,
+    solver_time_limit: float = 0.5,
 ) -> PlanResult:
     """Plan ``model``'s training step for each budget on ``device`` (see the module docstring):
     trace it (:func:`~offload_compiler.trace.trace_training_step`, with ``inner``'s
@@ -454,8 +458,8 @@ def plan_model(
     (a model built by the caller, e.g. one pipeline stage or one tensor-parallel shard of a
     preset: ``plan --world`` plans those). Budgets are sizes (``"24GiB"``), percentages of the
     peak without offloading (``"50%"``) or ``"device"`` (the device's memory). ``inner`` defaults
-    to :func:`default_inner`. ``strategy``, ``cpu_optimizer``, ``overlap`` and
-    ``optimizer_on_device``: see :func:`plan_step`. ``traced``: a :class:`~.trace.TracedStep` of
+    to :func:`default_inner`. ``strategy``, ``cpu_optimizer``, ``overlap``,
+    ``optimizer_on_device`` and ``solver_time_limit``: see :func:`plan_step`. ``traced``: a :class:`~.trace.TracedStep` of
     this model to plan instead of tracing it again (prepared once, in place).
 
     Raises:
@@ -468,7 +472,9 @@ def plan_model(
     if offload not in ("activations",) + param_residency.MODES:
         raise ValueError(f"unknown offload {offload!r}; one of activations, {', '.join(param_residency.MODES)}")
     inner = inner or default_inner(offload)
-    TrinityOptions.from_user({"inner": inner, "offload": offload, "strategy": strategy}, env={})  # fail before tracing
+    TrinityOptions.from_user(
+        {"inner": inner, "offload": offload, "strategy": strategy, "solver_time_limit": solver_time_limit}, env={}
+    )  # fail before tracing
     _parse_budgets(budgets, device)
     t0 = time.perf_counter()
     if traced is None:
@@ -489,6 +495,7 @@ def plan_model(
         cpu_optimizer=cpu_optimizer,
         overlap=overlap,
         optimizer_on_device=optimizer_on_device,
+        solver_time_limit=solver_time_limit,
     )
 
 
@@ -670,6 +677,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=plan_recompute.STRATEGIES,
         help="how saved activations meet a budget: auto (keep, offload or recompute), offload or recompute",
     )
+    parser.add_argument(
+        "--solver-time-limit",
+        default="0.5",
+        help="seconds the joint planner's solver searches per budget (the backend's solver_time_limit; default 0.5)",
+    )
     parser.add_argument("--png", default=None, help="draw the frontier into this PNG file (default: none)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE")
     parser.add_argument(
@@ -726,6 +738,9 @@ def main(argv: list[str] | None = None) -> int:
             cpu_optimizer=args.cpu_optimizer,
             overlap=args.overlap,
             optimizer_on_device=share,
+            solver_time_limit=TrinityOptions.from_user(
+                {"solver_time_limit": args.solver_time_limit}, env={}
+            ).solver_time_limit,
         )
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")

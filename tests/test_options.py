@@ -38,6 +38,7 @@ EXPECTED_ALLOWED = sorted(
         "strategy",
         "op_times",
         "interconnect",
+        "solver_time_limit",
         "peak_flops",
         "hbm_bytes_per_s",
         "h2d_bytes_per_s",
@@ -362,6 +363,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "strategy": "offload",
         "op_times": "roofline",
         "interconnect": "ib-200g",
+        "solver_time_limit": 4,
     }
     opts = build(options)
     assert opts.to_dict() == {
@@ -391,6 +393,7 @@ def test_a_full_options_dict_round_trips(tmp_path):
         "strategy": "offload",
         "op_times": "roofline",
         "interconnect": "ib-200g",
+        "solver_time_limit": 4.0,
     }
     assert_round_trips(opts)
 
@@ -741,6 +744,18 @@ def test_op_times_forms_and_errors():
         build({"op_times": "measured"}, env={"TRINITY_DEVICE": "h100-sxm"})
     # The host CPU's entry is this machine (where the graph runs on the CPU): allowed.
     assert build({"op_times": "measured", "device": "cpu"}).device == "cpu"
+
+
+def test_solver_time_limit_forms_and_errors(monkeypatch):
+    from offload_compiler.passes import plan_recompute
+
+    assert build().solver_time_limit == plan_recompute.SOLVER_TIME_LIMIT_S == 0.5
+    assert build({"solver_time_limit": 5}).solver_time_limit == 5.0
+    assert build(env={"TRINITY_SOLVER_TIME_LIMIT": "2.5"}).solver_time_limit == 2.5
+    assert_round_trips(build({"solver_time_limit": 3}))
+    for bad in (0, -1, "soon", True, float("inf"), 3601):
+        with pytest.raises(ValueError, match=r"'solver_time_limit': got .*a number of seconds, > 0 and at most 3600"):
+            build({"solver_time_limit": bad})
 
 
 def test_interconnect_forms_and_errors(tmp_path):

@@ -295,6 +295,32 @@ def test_solver_used_and_bounded_by_its_time_limit(mlp):
     assert rp.solver_seconds < 2.0  # two solves, each under the limit left (plus model building)
 
 
+@pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
+def test_solver_time_limit_option_reaches_the_solver(mlp, monkeypatch):
+    """The backend's ``solver_time_limit`` (and ``plan --solver-time-limit``, the same spine) is
+    the joint planner's limit: the recompute-only program gets a quarter of it, the joint one
+    what is left."""
+    from offload_compiler import pipeline
+    from offload_compiler.options import TrinityOptions
+
+    limits = []
+    solve = plan_recompute._Model.solve
+
+    def recording(self, time_limit, hard_limit=None, mip_start=None):
+        limits.append(time_limit)
+        return solve(self, time_limit, hard_limit, mip_start)
+
+    monkeypatch.setattr(plan_recompute._Model, "solve", recording)
+    for limit in (0.5, 8.0):
+        limits.clear()
+        opts = TrinityOptions.from_user(
+            {"memory_budget": "75%", "inner": "eager", "min_offload_bytes": 0, "solver_time_limit": limit}, env={}
+        )
+        plan = pipeline.plan_pair(mlp, opts, spec=SLOW_LINK)
+        assert plan.joint.recompute.solver == "highs"
+        assert limits[0] == pytest.approx(0.25 * limit) and limit / 2 < limits[1] <= limit, limits
+
+
 def test_unknown_strategy_is_refused(mlp):
     live, costs = analyze(mlp)
     with pytest.raises(ValueError, match="unknown strategy 'fast'.*auto, offload, recompute"):
