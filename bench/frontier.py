@@ -441,6 +441,52 @@ def gpu_frontier(model: dict, devices=GPU_DEVICES, dtype=torch.bfloat16) -> dict
     return out
 
 
+def gpu_bound(model: dict, frontier: dict, limit_s: float, device_name: str = "h100-sxm") -> dict:
+    """The 5% target's reach for one model: ``auto`` planned at the per-block checkpoint peak of
+    ``frontier`` (this model's entry of a ``--gpu`` run) with the solver given ``limit_s`` seconds
+    (``solver_time_limit``), and the joint program's proven lower bound there
+    (``RecomputePlan.solver_bound_seconds``): the step no choice of the program beats, against
+    95% of full recompute's."""
+    from offload_compiler.devices import KNOWN_DEVICES
+    from offload_compiler.plan_cli import plan_model
+    from offload_compiler.trace import trace_training_step
+
+    d = frontier["devices"][device_name]
+    ckpt = next(r for r in d["trinity"]["auto"]["rows"] if r["budget"] == "checkpoint peak")
+    full = d["pytorch"]["full-recompute"]["step_seconds"]
+    base = trace_training_step(model["build"], model["batch"], model["seq"], model["vocab"], torch.bfloat16)
+    t0 = time.perf_counter()
+    res = plan_model(
+        model["name"],
+        KNOWN_DEVICES[device_name],
+        [str(ckpt["budget_bytes"])],
+        batch=model["batch"],
+        seq_len=model["seq"],
+        dtype=torch.bfloat16,
+        optimizer="adamw",
+        min_offload_bytes=0,
+        strategy="auto",
+        traced=base,
+        solver_time_limit=limit_s,
+    )
+    row = res.rows[0]
+    bound = None if row.solver_bound_seconds is None else res.compute_seconds + row.solver_bound_seconds
+    return {
+        "model": model["name"],
+        "device": device_name,
+        "checkpoint_peak_bytes": ckpt["budget_bytes"],
+        "solver_time_limit_s": limit_s,
+        "plan_seconds": time.perf_counter() - t0,
+        "compute_seconds": res.compute_seconds,
+        "auto_seconds_default_limit": ckpt["predicted_step_seconds"],
+        "auto_seconds": row.predicted_step_seconds if row.feasible else None,
+        "program_lower_bound_seconds": bound,
+        "full_recompute_seconds": full,
+        "target_seconds": 0.95 * full,
+        "reachable_within_the_program": None if bound is None else bound <= 0.95 * full,
+    }
+
+
 # ------------------------------------------------------------------------------------ targets
 def gpu_targets(results: list[dict]) -> dict:
     """Issue 14's GPU-figure targets, judged per model and device."""
@@ -576,12 +622,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", action="store_true", help="part 2: predictions on GPU figures")
     parser.add_argument("--cpu-models", default="gpt,llama")
     parser.add_argument("--gpu-models", default="demo,llama,llama-1b,llama-7b")
+    parser.add_argument(
+        "--bound",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="instead: for each --gpu-models model, plan at the per-block checkpoint peak of the last --gpu run "
+        "(recompute_frontier_gpu_predicted.json) on H100 figures with this solver limit and record the joint "
+        "program's proven lower bound (recompute_bound_h100.json)",
+    )
     parser.add_argument("--rounds", type=int, default=6, help="ABBA rounds timed per method (default 6)")
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)
     if not (args.cpu or args.gpu):
         args.cpu = args.gpu = True
     payload: dict = {"budgets": BUDGETS, "sac_fractions": SAC_FRACTIONS, "note": __doc__}
+    if args.bound is not None:
+        import json
+
+        last = json.loads((Path(__file__).parent / "results" / "recompute_frontier_gpu_predicted.json").read_text())
+        by_name = {r["model"]: r for r in last["gpu_predicted"]}
+        rows = []
+        for m in gpu_models():
+            if m["name"].split(" ")[0] in args.gpu_models.split(",") and m["name"] in by_name:
+                print(f"bound at the checkpoint peak: {m['name']}", flush=True)
+                rows.append(gpu_bound(m, by_name[m["name"]], args.bound))
+                print(f"  {rows[-1]}", flush=True)
+        path = write_result(
+            "recompute_bound_h100",
+            {"rows": rows, "frontier_commit": last["git_commit"], "note": gpu_bound.__doc__.split("\n\n")[0]},
+            torch.device("cpu"),
+        )
+        print(f"written {path}")
+        return 0
     if args.gpu:
         wanted = args.gpu_models.split(",")
         results = []

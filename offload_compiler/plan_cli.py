@@ -83,6 +83,7 @@ class PlanRow:
     recompute_seconds: float = 0.0
     recompute_flops: int = 0
     chosen: str = ""
+    solver_bound_seconds: float | None = None
 
     def to_json(self) -> dict:
         """The row for scripts: budget, planned peak, lowest reachable, predicted step, exposed
@@ -108,6 +109,7 @@ class PlanRow:
             "recompute_seconds": self.recompute_seconds,
             "recompute_flops": self.recompute_flops,
             "chosen": self.chosen,
+            "solver_bound_seconds": self.solver_bound_seconds,
             "feasible": ok,
             "fits": ok and self.fits_device,
         }
@@ -409,6 +411,7 @@ def plan_step(
                 recompute_seconds=rp.recompute_seconds if rp else 0.0,
                 recompute_flops=rp.recompute_flops if rp else 0,
                 chosen=rp.chosen if rp else "offload only",
+                solver_bound_seconds=rp.solver_bound_seconds if rp else None,
             )
         )
     return PlanResult(

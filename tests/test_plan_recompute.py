@@ -321,6 +321,22 @@ def test_solver_time_limit_option_reaches_the_solver(mlp, monkeypatch):
         assert limits[0] == pytest.approx(0.25 * limit) and limit / 2 < limits[1] <= limit, limits
 
 
+@pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
+def test_solver_bound_is_reported_and_below_the_plans_cost(mlp):
+    """The joint program's proven lower bound (HiGHS's dual bound, in seconds): solved to
+    optimality it is at most the winning plan's recomputation and exposed copy time (up to the
+    program's approximation of the simulator) and at least 0; with nothing to plan there is none."""
+    live, costs = analyze(mlp, SLOW_LINK)
+    joint = plan_recompute.plan_joint(mlp, live, costs, int(0.75 * live.peak_bytes), "auto", 0, time_limit_s=30)
+    rp = joint.recompute
+    assert "solver: Optimal" in rp.solver_status, rp.solver_status
+    overhead = joint.plan.predicted_step_seconds - costs.compute_seconds
+    assert rp.solver_bound_seconds is not None and 0.0 <= rp.solver_bound_seconds <= 1.25 * overhead + 1e-9
+    assert plan_recompute.summary(rp)["solver_bound_seconds"] == rp.solver_bound_seconds
+    fits = plan_recompute.plan_joint(mlp, live, costs, live.peak_bytes, "auto", 0)
+    assert fits.recompute.solver_bound_seconds is None
+
+
 def test_unknown_strategy_is_refused(mlp):
     live, costs = analyze(mlp)
     with pytest.raises(ValueError, match="unknown strategy 'fast'.*auto, offload, recompute"):

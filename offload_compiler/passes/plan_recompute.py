@@ -166,6 +166,13 @@ class RecomputePlan:
         solver_status: the solver's status, or why the greedy fallback was used.
         fallback_used: whether the greedy fallback made the choice set (no solver or no solution).
         solver_seconds / plan_seconds: wall time of the solver and of the whole joint planner.
+        solver_bound_seconds: HiGHS's proven lower bound (``mip_dual_bound``) on the joint
+            program's objective when it stopped, in seconds: no choice of the program (offloads
+            at their ideal windows, recompute chains) meets the budget with less recomputation
+            plus exposed copy time. ``compute_seconds`` plus it bounds the step from below within
+            the program's model (the scored plans are timed by the simulator, which it
+            approximates). ``None`` without a joint program (no solver, strategy other than
+            ``"auto"``, an infeasible budget).
         num_recomputable: saved buffers that have a recompute chain.
         refused: ``(saved view, reason)`` for saved buffers that may not be recomputed.
         scored: every candidate scored, ``(name, recomputed buffers, predicted step seconds,
@@ -184,6 +191,7 @@ class RecomputePlan:
     fallback_used: bool = False
     solver_seconds: float = 0.0
     plan_seconds: float = 0.0
+    solver_bound_seconds: float | None = None
     num_recomputable: int = 0
     refused: tuple[tuple[str, str], ...] = ()
     scored: tuple[tuple[str, int, float, int, bool], ...] = ()
@@ -435,6 +443,7 @@ class _Model:
     """A sparse MIP built row by row (``row_lower <= A x <= row_upper``)."""
 
     def __init__(self):
+        self.dual_bound: float | None = None  # after solve: HiGHS's proven lower bound on the objective
         self.cost: list[float] = []
         self.lo: list[float] = []
         self.hi: list[float] = []
@@ -535,6 +544,7 @@ class _Model:
         h.run()
         status = h.modelStatusToString(h.getModelStatus())
         info = h.getInfo()
+        self.dual_bound = float(info.mip_dual_bound)  # model units (the objective's)
         if info.primal_solution_status != 2:  # 2: a feasible solution
             return status, None
         return status, np.asarray(h.getSolution().col_value)
@@ -859,6 +869,9 @@ def choose(
                     picked = frozenset(b for b, v in xo.items() if sol[v] > 0.5)
                     if with_offload:
                         solved_joint = (name, chosen, picked)
+                        if name == "solver" and model.dual_bound is not None and np.isfinite(model.dual_bound):
+                            # Objective units: seconds / st, st = the step's compute / 1e4 (_build_model).
+                            details["solver_bound_seconds"] = max(0.0, model.dual_bound) * max(float(ce[-1]), 1e-12) / 1e4
                     else:
                         solved_rc = (name, chosen)
             except Exception as exc:  # a solver failure must not fail the compile: fall back
@@ -1132,6 +1145,7 @@ def _plan_joint(
         solver_status=details["solver_status"],
         fallback_used=details["fallback_used"],
         solver_seconds=details["solver_seconds"],
+        solver_bound_seconds=details.get("solver_bound_seconds"),
         num_recomputable=len(analysis.chains),
         refused=tuple(refused),
         scored=details["scored"],
@@ -1222,6 +1236,7 @@ def summary(rp: RecomputePlan) -> dict:
         "recompute_flops": rp.recompute_flops,
         "recompute_seconds": rp.recompute_seconds,
         "solver_seconds": rp.solver_seconds,
+        "solver_bound_seconds": rp.solver_bound_seconds,
         "plan_seconds": rp.plan_seconds,
         "fits_without_plan": rp.fits_without_plan,
         "note": rp.note,
