@@ -786,7 +786,8 @@ def main(argv: list[str] | None = None) -> int:
             r.budget,
             format_bytes(r.budget_bytes),
             peak,
-            "yes" if r.fits_device and r.feasible else "no",
+            # An infeasible row's planned peak is its lowest-peak plan's: whether that fits the device.
+            ("yes" if r.fits_device else "no") if r.feasible else ("lowest fits" if r.fits_device else "no"),
             step,
             exposed,
             f"{format_bytes(r.evicted_bytes)} ({r.num_evicted})" if r.feasible else "",

@@ -337,8 +337,13 @@ class TrinityReport:
             solver = rc["solver"] + (" (greedy fallback: " + rc["solver_status"] + ")" if rc["fallback_used"] else "")
             lines.append(
                 f"  recompute  {rc['num_recomputed']} of {rc['num_recomputable']} recomputable buffers, "
-                f"{format_bytes(rc['recomputed_bytes'])}; {rc['recompute_flops'] / 1e9:.3g} GFLOP, "
-                f"{rc['recompute_seconds'] * 1e3:.3f} ms in the backward (strategy {rc['strategy']}, "
+                f"{format_bytes(rc['recomputed_bytes'])}; "
+                + (
+                    f"{rc['recompute_flops'] / 1e9:.3g} GFLOP, "
+                    if rc["recompute_flops"]
+                    else "no matmul FLOPs (memory-bound ops, timed by their bytes), "
+                )
+                + f"{rc['recompute_seconds'] * 1e3:.3f} ms in the backward (strategy {rc['strategy']}, "
                 f"chosen: {rc['chosen']}, solver {solver})"
             )
         elif rc and rc.get("strategy") != "offload" and not self.fits_without_plan and rc.get("fallback_used"):
@@ -437,7 +442,13 @@ class TrinityReport:
             lines.append(
                 f"  measured   {format_bytes(self.measured_peak_bytes)} peak in the first measured step "
                 f"(planned {format_bytes(self.peak_bytes_planned - self.held_bytes - self.reuse_held_bytes)} for "
-                "its own run)" + ("; above its share of the budget" if over else "")
+                "its own run)"
+                + (
+                    "; above the budget less what the rest of the step is predicted to hold while it runs "
+                    "(offload_compiler.step_report(model) judges the whole step)"
+                    if over
+                    else ""
+                )
             )
         if self.correction is not None:
             c = self.correction

@@ -124,10 +124,11 @@ def test_the_same_setting_with_activation_offload_runs(setting):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)
 
 
-def test_python_reducer_with_offload_all_is_refused(monkeypatch):
+def test_python_reducer_with_offload_all_is_refused():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", "python_reducer")
-    err = first_call(DDP(mlp()), "all")
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):  # (monkeypatch would delete the key)
+        err = first_call(DDP(mlp()), "all")
     assert isinstance(err, UnsupportedCombinationError), repr(err)
     assert "Python reducer" in str(err), str(err)
+

@@ -144,6 +144,8 @@ def test_main_prints_table_and_writes_frontier(tmp_path, capsys):
     out = capsys.readouterr().out
     assert status == 0
     assert "parameters" in out and "60%" in out and "infeasible" in out
+    # The infeasible 10 KiB row's lowest-peak plan fits the L4 (it said "no" before).
+    assert "lowest fits" in out
     assert "smallest budget within 5% of the no-offload step" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
