@@ -838,6 +838,33 @@ def _step_reach(step) -> str:
     )
 
 
+def _replanned_for_later_inputs(ledger, step, budget: int):
+    """``step`` (the ledger's :class:`~.step_budget.StepReport`) with each pair that a later
+    pair's inputs, there from the step's start, put above ``budget`` after it was planned
+    (:attr:`~.step_budget.PairHolding.later_inputs_due`) at the plan its runtime check will make
+    at its next call (:meth:`~.step_budget.StepLedger.can_replan`): its own peak at most what
+    the budget leaves beside what the others hold, and at least its lowest-peak plan's. The
+    step's check judges the step by those plans, not by the one made before the later pair's
+    inputs were known."""
+    pairs = []
+    changed = False
+    for k, p in zip(ledger.keys(), step.pairs):
+        if (
+            p.later_inputs_due
+            and p.step_peak_bytes > budget
+            and p.own_lowest_peak_bytes is not None
+            and ledger.can_replan(k)
+        ):
+            own = max(p.own_lowest_peak_bytes, budget - p.held_bytes)
+            if own < p.own_planned_peak_bytes:
+                p = replace(p, own_planned_peak_bytes=own)
+                changed = True
+        pairs.append(p)
+    if not changed:
+        return step
+    return replace(step, pairs=tuple(pairs), predicted_peak_bytes=max(p.step_peak_bytes for p in pairs))
+
+
 class CompileSession:
     """State of one backend invocation: options, device, the transfer runtime, reports.
 
@@ -875,6 +902,10 @@ class CompileSession:
         # that is the earlier pairs' kept saved activations.
         self.step_ledger_held: tuple[int, int, int] = (0, 0, 0)
         self.step_ledger_held_kept = 0
+        # The part of both that is later pairs' inputs there from the step's start
+        # (StepLedger.later_input_bytes): a later pair's compile can raise it; the runtime check
+        # then plans this pair again (step_check.CheckedCompile).
+        self.step_later_bytes = 0
         # How often the pair runs at once in one step and what runs beside it, as the runtime
         # check measured the first step (step_budget.StepReuse; set by the backend's recompile).
         self.reuse = None
@@ -918,6 +949,7 @@ class CompileSession:
         if self.step is not None:
             ledger = self.step.holdings(self.options.offload)
             ledger_kept = self.step.ledger.earlier_kept(self.step.key)
+            self.step_later_bytes = self.step.ledger.later_input_bytes(self.step.key)
             if self.options.memory_budget.kind in ("bytes", "fraction"):
                 held, self.step_held_kept = ledger, ledger_kept
                 if self.options.offload == "activations":
@@ -1161,7 +1193,11 @@ class CompileSession:
         refused (``on_infeasible="error"``) or warned about only when the caps cannot make it
         fit."""
         self.step_holding = self.step.record(
-            the_plan, self.step_ledger_held, self.step_ledger_held_kept, self.options.min_offload_bytes
+            the_plan,
+            self.step_ledger_held,
+            self.step_ledger_held_kept,
+            self.options.min_offload_bytes,
+            self.step_later_bytes,
         )
         opts = self.options
         ledger = self.step.ledger
@@ -1171,6 +1207,11 @@ class CompileSession:
         if self.step.more_coming and not ledger.has_later(self.step.key):
             return  # checked at the step's last pair
         budget = int(opts.memory_budget.value * step.unplanned_peak_bytes)
+
+        def report():
+            return _replanned_for_later_inputs(ledger, ledger.report(), budget)
+
+        step = report()
         over = [p for p in step.pairs if p.step_peak_bytes > budget]
         if not over:
             return
@@ -1178,11 +1219,11 @@ class CompileSession:
         if self._can_cap():
             uncapped_peak = step.predicted_peak_bytes
             for k in ledger.keys():
-                p = dict(zip(ledger.keys(), ledger.report().pairs))[k]
+                p = dict(zip(ledger.keys(), report().pairs))[k]
                 if p.step_peak_bytes > budget:
                     caps, _missing = ledger.plan_caps(k, p.step_peak_bytes - budget)
                     ledger.set_caps(caps, p.label)
-            step = ledger.report()
+            step = report()
             over = [p for p in step.pairs if p.step_peak_bytes > budget]
             if not over:
                 return
@@ -1190,7 +1231,7 @@ class CompileSession:
                 # The caps would not lower the step's peak (a pair's own plan is above the budget
                 # already): copies for no memory.
                 ledger.restore_caps(before)
-                step = ledger.report()
+                step = report()
                 over = [p for p in step.pairs if p.step_peak_bytes > budget]
         worst = max(over, key=lambda p: p.step_peak_bytes)
         message = (

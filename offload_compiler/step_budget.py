@@ -18,6 +18,18 @@ counts:
   with ``"all"``); counted for the whole pair, forward included, and also for earlier pairs'
   parameters whose gradients do not exist yet (conservative);
 * under DDP, the reducer's gradient buckets (the bytes of the parameters DDP reduces);
+* the inputs of **later** pairs that exist from the step's start: the step's inputs that only a
+  later pair reads (soft labels or a teacher's logits read by the loss after a graph break), held
+  by the caller through the whole step. They are known only at the later pair's compile, inside
+  the first step, by runtime identity (:func:`step_input_bytes`: an input whose storage an earlier
+  pair read or made at its latest call, or whose autograd graph reaches an earlier pair's live
+  run, was made in the step; any other counts, conservatively: a tensor made by eager code
+  between the graphs without autograd, or every input where the earlier pairs are not watched,
+  ``runtime_check="off"``). The ledger then raises the earlier pairs' holdings
+  (:meth:`StepLedger.later_input_bytes`); each earlier pair's runtime check plans it again with
+  them at its next call (the next step's start; the first step runs the old plan), and the
+  step's check at its last pair (a percentage: its base includes them) judges the earlier pairs
+  at the plans those replans will make (their lowest-peak plans where the budget is below them);
 * the pair's **own** parameters' gradients, when an earlier backward left them for this one to
   accumulate into (DDP's ``no_sync()`` micro-steps, ``zero_grad(set_to_none=False)``): held from
   the pair's forward on (:func:`accumulated_grad_bytes`). The compile sees them when they exist
@@ -98,7 +110,8 @@ its own) is planned alone, as before. :func:`step_report` of a model whose block
 one by one and run outside any module gathers the blocks' ledgers.
 
 **What it does not cover** (see README "Distributed"): memory outside the compiled graphs (eager
-code between them, the optimizer's state, FSDP2's all-gather and reduce-scatter buffers; FSDP2's
+code between them, the optimizer's state, the inputs that only a later DDP split reads (a split's
+inputs are fake at its compile), FSDP2's all-gather and reduce-scatter buffers; FSDP2's
 sharded parameters and gradients count as their local shards); pairs that do not run in compile order (except the runs of other pairs that
 the first step's check sees beside a pair's run); a reused pair's ``N`` is predicted at its
 compile where the module structure shows it, else (and where the prediction was wrong) what the
@@ -220,6 +233,14 @@ class PairHolding:
         kept_cap_bytes: the cap on :attr:`kept_bytes` that a later pair asked for
             (:meth:`StepLedger.set_caps`; ``None``: none), filled in by :meth:`StepLedger.report`.
         capped_for: the label of the later pair the cap is for.
+        later_input_bytes: the part of ``held_bytes`` (and of ``held_unplanned_bytes``) that is the
+            inputs of later pairs that exist from the step's start (:meth:`StepLedger.later_input_bytes`)
+            when it was planned; :meth:`StepLedger.report` replaces it with what the ledger knows now
+            (a later pair compiles after this one: its inputs become known then).
+        own_lowest_peak_bytes: the pair's own peak under its lowest-peak plan (``None``: not known):
+            what the step's check predicts for it where it is to be planned again for more held bytes.
+        later_inputs_due: filled in by :meth:`StepLedger.report`: later pairs' inputs now known
+            hold more than its plan counted; its runtime check plans it again at its next call.
     """
 
     label: str
@@ -237,6 +258,9 @@ class PairHolding:
     held_kept_bytes: int = 0
     kept_cap_bytes: int | None = None
     capped_for: str | None = None
+    later_input_bytes: int = 0
+    own_lowest_peak_bytes: int | None = None
+    later_inputs_due: bool = False
 
     @property
     def step_peak_bytes(self) -> int:
@@ -290,12 +314,22 @@ class StepReport:
                     f"{format_bytes(p.kept_cap_bytes)} ({p.kept_cap_bytes} bytes) of saved activations for a later "
                     f"pair, {p.capped_for}, to fit]"
                 )
+            if p.later_inputs_due:
+                runs += (
+                    f" [to be replanned at its next call: later pairs' inputs hold "
+                    f"{format_bytes(p.later_input_bytes)} beside it]"
+                )
+            later = (
+                f" (of which {format_bytes(p.later_input_bytes)} inputs of later pairs, there from the step's start)"
+                if p.later_input_bytes
+                else ""
+            )
             lines.append(
                 f"  {p.label}{runs}: own peak {format_bytes(p.own_planned_peak_bytes)} "
                 f"(unplanned {format_bytes(p.own_unplanned_peak_bytes)}), keeps "
                 f"{format_bytes(p.kept_bytes)} of saved activations for its backward and "
                 f"{format_bytes(p.input_bytes)} of inputs, reads "
-                f"{format_bytes(p.param_bytes)} of parameters; the others hold {format_bytes(p.held_bytes)} "
+                f"{format_bytes(p.param_bytes)} of parameters; the others hold {format_bytes(p.held_bytes)}{later} "
                 f"while it runs: step peak {format_bytes(p.step_peak_bytes)}"
             )
         return "\n".join(lines)
@@ -369,6 +403,13 @@ class StepLedger:
         # for), and the pairs whose runtime check can plan them again with a cap (set_caps).
         self._caps: dict[Any, tuple[int, str]] = {}
         self._replanners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # Pair key -> device bytes of its inputs that exist from the step's start (not made by
+        # an earlier pair, not read by one): held while every earlier pair runs (set_later_inputs).
+        self._later_inputs: dict[Any, int] = {}
+        # Pair key -> the storages of its latest call's inputs and outputs ((weak reference to
+        # the tensor, storage address)), by which a later pair's compile tells its inputs made or
+        # read in the step from those there from its start (note_call).
+        self._io: dict[Any, tuple[tuple[Any, int], ...]] = {}
 
     def belongs_to(self, root: torch.nn.Module) -> bool:
         return self._root() is root
@@ -420,12 +461,13 @@ class StepLedger:
         return e.kept_bytes if cap is None else min(e.kept_bytes, cap[0])
 
     def earlier(self, key: Any) -> list[tuple[Any, PairHolding]]:
-        """``(key, holding)`` of the pairs recorded before pair ``key``, in forward order."""
+        """``(key, holding)`` of the pairs recorded before pair ``key``, in forward order, each
+        with the later pairs' inputs known now in its held bytes (:meth:`_now`)."""
         out = []
         for k, e in self._entries.items():
             if k == key:
                 break
-            out.append((k, e))
+            out.append((k, self._now(k, e)))
         return out
 
     def earlier_kept(self, key: Any) -> int:
@@ -442,6 +484,10 @@ class StepLedger:
         """Pair ``key`` can be planned again with a cap at its next call, by ``replanner`` (its
         :class:`~offload_compiler.step_check.CheckedCompile`; held weakly)."""
         self._replanners[key] = replanner
+
+    def can_replan(self, key: Any) -> bool:
+        """Whether pair ``key``'s runtime check can plan it again (:meth:`register_replanner`)."""
+        return self._replanners.get(key) is not None
 
     def plan_caps(self, key: Any, excess_bytes: int) -> tuple[dict[Any, int], int]:
         """Caps on the kept saved activations of the pairs before ``key`` that lower what they
@@ -491,6 +537,52 @@ class StepLedger:
         """The pairs' keys, in forward order (as :attr:`entries`)."""
         return tuple(self._entries)
 
+    def _is_after(self, k: Any, key: Any) -> bool:
+        """Whether pair ``k`` runs its forward after pair ``key``'s: recorded after it, or not
+        recorded yet (compiling now) while ``key`` is."""
+        if k == key:
+            return False
+        keys = list(self._entries)
+        if k not in self._entries:
+            return True
+        return key in self._entries and keys.index(k) > keys.index(key)
+
+    def later_input_bytes(self, key: Any) -> int:
+        """Device bytes of the inputs of the pairs after ``key`` that exist from the step's start
+        (the step's inputs that only later pairs read, :meth:`set_later_inputs`): alive on the
+        device while pair ``key`` runs, its forward and its backward."""
+        return sum(b for k, b in self._later_inputs.items() if self._is_after(k, key))
+
+    def set_later_inputs(self, key: Any, nbytes: int) -> None:
+        """Pair ``key`` reads ``nbytes`` of inputs that exist from the step's start and that no
+        earlier pair reads or makes (:func:`step_input_bytes`): every earlier pair's holdings
+        count them (replaces ``key``'s figure: a recompile of its frame)."""
+        if nbytes < 0:
+            raise ValueError(f"StepLedger.set_later_inputs: bytes must be >= 0, got {nbytes}")
+        if nbytes:
+            self._later_inputs[key] = nbytes
+        else:
+            self._later_inputs.pop(key, None)
+
+    def note_call(self, key: Any, refs: tuple) -> None:
+        """The storages of pair ``key``'s latest call's inputs and outputs (``refs``,
+        :func:`storage_refs` of its tensors other than parameters): a later pair's compile reads
+        them (:meth:`step_storages`)."""
+        self._io[key] = tuple(refs)
+
+    def step_storages(self, before: Any) -> set[int]:
+        """Addresses of the storages that the pairs before ``before`` read or made at their
+        latest calls and that are still alive (a dead tensor's address may be reused by
+        another)."""
+        found = set()
+        for k, entries in self._io.items():
+            if not self._is_after(before, k):
+                continue
+            for ref, ptr in entries:
+                if ref() is not None and ptr:
+                    found.add(ptr)
+        return found
+
     def holdings(
         self, key: Any, own_params: set[int], offload: str, device: torch.device | None = None
     ) -> tuple[int, int, int]:
@@ -505,13 +597,31 @@ class StepLedger:
         percentage budget resolves to the same bytes as the step's check at its last pair."""
         earlier = [e for _k, e in self.earlier(key)]
         params, grads = self._model_state_bytes(own_params, offload, device)
-        base = params + grads + self._bucket_bytes()
+        base = params + grads + self._bucket_bytes() + self.later_input_bytes(key)
         # An earlier pair run N times per step (a reused block graph) holds N runs' worth.
         inputs = sum(e.input_bytes * e.runs for e in earlier)
         return (
             base + inputs + self.earlier_kept(key),
             base + inputs + sum(e.kept_unplanned_bytes * e.runs for e in earlier),
-            max((e.step_unplanned_peak_bytes for k, e in self._entries.items() if k != key), default=0),
+            max(
+                (self._now(k, e).step_unplanned_peak_bytes for k, e in self._entries.items() if k != key),
+                default=0,
+            ),
+        )
+
+    def _now(self, k: Any, e: PairHolding) -> PairHolding:
+        """Pair ``k``'s entry ``e`` with the later pairs' inputs the ledger knows now in its held
+        bytes (a later pair compiled after it was planned), and whether that is more than its plan
+        counted (:attr:`PairHolding.later_inputs_due`)."""
+        later = self.later_input_bytes(k)
+        if later == e.later_input_bytes:
+            return e
+        return replace(
+            e,
+            held_bytes=e.held_bytes - e.later_input_bytes + later,
+            held_unplanned_bytes=e.held_unplanned_bytes - e.later_input_bytes + later,
+            later_input_bytes=later,
+            later_inputs_due=later > e.later_input_bytes,
         )
 
     def has_later(self, key: Any) -> bool:
@@ -552,6 +662,7 @@ class StepLedger:
         cap, if any."""
         entries = []
         for k, e in self._entries.items():
+            e = self._now(k, e)
             now = self.earlier_kept(k)
             cap = self._caps.get(k)
             entries.append(
@@ -581,6 +692,8 @@ def _detached_ledger() -> StepLedger:
     ledger._entries = {}
     ledger._caps = {}
     ledger._replanners = weakref.WeakValueDictionary()
+    ledger._later_inputs = {}
+    ledger._io = {}
     return ledger
 
 
@@ -623,11 +736,15 @@ class StepPair:
         device = next((_local(p).device for p in self.params.values()), None)
         return self.ledger.holdings(self.key, set(self.params), offload, device)
 
-    def record(self, plan, held: tuple[int, int, int], held_kept: int = 0, min_offload_bytes: int = 0) -> PairHolding:
+    def record(
+        self, plan, held: tuple[int, int, int], held_kept: int = 0, min_offload_bytes: int = 0, later: int = 0
+    ) -> PairHolding:
         """Record ``plan`` (a :class:`~offload_compiler.pipeline.PairPlan`, after the rewrites)
         in the ledger; returns the holding. ``held_kept``: the part of ``held[0]`` that is the
         earlier pairs' kept saved activations (:meth:`StepLedger.earlier_kept`);
-        ``min_offload_bytes``: the option (what cannot be offloaded is the pair's floor)."""
+        ``min_offload_bytes``: the option (what cannot be offloaded is the pair's floor);
+        ``later``: the part of ``held`` that is later pairs' inputs
+        (:meth:`StepLedger.later_input_bytes`)."""
         from .passes.plan_window import planned_live_bytes
 
         act, view, live = plan.activations, plan.activation_liveness, plan.liveness
@@ -648,9 +765,24 @@ class StepPair:
             runs=plan.model_state.reuse_count,
             kept_floor_bytes=kept_saved_bytes(live, {b.id for b in live.candidates(min_offload_bytes)}),
             held_kept_bytes=held_kept,
+            later_input_bytes=later,
+            own_lowest_peak_bytes=min(own_planned, int(act.lowest_reachable_peak_bytes)),
         )
         self.ledger.record(self.key, holding)
         return holding
+
+
+def storage_refs(tensors) -> tuple:
+    """``(weak reference to the tensor, its storage's address)`` for each of ``tensors`` that has
+    one storage (:meth:`StepLedger.note_call`); no tensor is kept alive."""
+    out = []
+    for t in tensors:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+            out.append((weakref.ref(t), ptr))
+        except (RuntimeError, NotImplementedError, TypeError):  # no one storage: not known
+            continue
+    return tuple(out)
 
 
 def input_bytes(live) -> int:
@@ -743,7 +875,10 @@ def join_step(gm, example_inputs, engine) -> StepPair | None:
     else:
         roots = owning_roots(gm, sorted(params))
         if not roots:
-            return _join_by_ancestry(code, example_inputs, graph_break)
+            step = _join_by_ancestry(code, example_inputs, graph_break)
+            if step is not None:
+                _note_step_inputs(step, example_inputs, params)
+            return step
         root = holder = _enclosing_module(roots[0])
     ledger = getattr(holder, LEDGER_ATTR, None)
     if not isinstance(ledger, StepLedger) or not ledger.belongs_to(root):
@@ -767,7 +902,85 @@ def join_step(gm, example_inputs, engine) -> StepPair | None:
             label += f" (graph {k} of the frame)"
     alone = ddp is None and getattr(roots[0], "_compiled_call_impl", None) is not None
     runs, why = (1, "") if ddp is not None else predict_runs(roots[0], holder, example_inputs, params)
-    return StepPair(ledger, key, label, {id(p): p for p in params.values()}, split, graph_break, alone, runs, why)
+    step = StepPair(ledger, key, label, {id(p): p for p in params.values()}, split, graph_break, alone, runs, why)
+    if ddp is None:
+        _note_step_inputs(step, example_inputs, params)
+    return step
+
+
+def _note_step_inputs(step: StepPair, example_inputs, params: dict) -> None:
+    """Enter in the ledger the bytes of ``step``'s inputs that exist from the step's start
+    (:func:`step_input_bytes`), which its earlier pairs' holdings count."""
+    try:
+        nbytes = step_input_bytes(example_inputs, params, step.ledger, step.key)
+    except Exception:  # noqa: BLE001  (inputs that cannot be read: nothing known, as before)
+        return
+    step.ledger.set_later_inputs(step.key, nbytes)
+
+
+def step_input_bytes(example_inputs, params: dict, ledger: StepLedger, key: Any) -> int:
+    """Device bytes of the inputs of pair ``key`` (compiling now, on its real example inputs)
+    that are alive while the pairs before it run: the tensors that exist from the step's start.
+
+    Decided by runtime identity, at this compile (inside the step, after the earlier pairs'
+    forwards ran): an input (not a parameter of the model, which the ledger counts already) is
+    *made in the step* when its storage is one that an earlier pair read or made at its latest
+    call (:meth:`StepLedger.note_call`, recorded by the runtime check's wrapper: an earlier
+    pair's input counts in that pair's liveness and as its input after it), or when its autograd
+    graph reaches a run of an earlier pair that is alive (:func:`~.step_check.runs_before`: eager
+    code between the graphs computed it from an earlier pair's output, so it did not exist before
+    that pair's forward). Every other input counts: the step's inputs that only later pairs read
+    (labels, a teacher's logits), and, conservatively, tensors that eager code made without
+    autograd from earlier pairs' outputs, or all inputs where the earlier pairs are not watched
+    (``runtime_check="off"``). A leaf input that requires a gradient counts twice (its gradient,
+    made by this pair's backward, is alive through the earlier pairs' backwards). Each storage
+    counts once, whole. Fake inputs (a DDP split's) are not known: not counted."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from .step_check import runs_before
+
+    known = ledger.step_storages(key)
+    model_params = ledger.parameter_ids()
+    device = next((_local(p).device for p in params.values()), None)
+    root = ledger._root()
+    if device is None and root is not None:
+        device = next((_local(p).device for p in root.parameters()), None)
+    own = {id(p) for p in params.values()}
+    seen: set[int] = set()
+    total = 0
+    for i, t in enumerate(example_inputs):
+        if not isinstance(t, torch.Tensor) or i in params or id(t) in own or id(t) in model_params:
+            continue
+        if isinstance(t, FakeTensor) or isinstance(t, torch.nn.Parameter):
+            continue
+        local = _local(t)
+        if (
+            local.device.type == "meta"
+            or isinstance(local, FakeTensor)
+            or (device is not None and local.device != device)
+        ):
+            continue  # not on the pair's device (host memory) or not real
+        try:
+            storage = local.untyped_storage()
+            ptr, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a subclass without one storage: its bytes
+            ptr, size = None, _nbytes(t)
+        if ptr is not None and (ptr in known or ptr in seen or size == 0):
+            continue
+        if t.grad_fn is not None:
+            try:
+                made = any(
+                    r.session.step is not None and r.session.step.ledger is ledger and r.session.step.key != key
+                    for r in runs_before([t])
+                )
+            except Exception:  # noqa: BLE001  (a graph that cannot be walked: counted)
+                made = False
+            if made:
+                continue
+        if ptr is not None:
+            seen.add(ptr)
+        total += size * (2 if t.requires_grad and t.grad_fn is None else 1)
+    return total
 
 
 def _compile_signature(module: torch.nn.Module, wrappers: dict[int, torch.nn.Module]) -> tuple | None:

@@ -586,6 +586,9 @@ class CheckedCompile:
         # A cap on the kept saved activations that a later pair of the step asked for and that a
         # replan failed to meet (not tried again).
         self._cap_tried: int | None = None
+        # The later pairs' inputs (bytes) that a replan failed to plan for, or that were warned
+        # about (not tried again).
+        self._later_tried: int | None = None
         # The gradients of the pair's parameters left by an earlier backward (gradient
         # accumulation) that its plan counts (bytes), and whether no call can show more (the plan
         # counts all of them, or they cannot be planned for and the warning was given).
@@ -624,23 +627,108 @@ class CheckedCompile:
             raise err
         grads_due = not self._grads_settled and self._grads_due(args)
         if self._due is not None:
-            self._replan()  # (reads the ledger's cap and the gradients too)
+            self._replan()  # (reads the ledger's cap, the later pairs' inputs and the gradients too)
         elif self._cap_due():
             self._replan_for_cap()
+        elif self._later_due():
+            self._replan_for_later_inputs(grads_due)
         elif grads_due:
             self._replan_for_grads()
         grad = torch.is_grad_enabled()
         if self._state == "pending":
             self._abandon_if_stale(grad)
+        io = self._io_refs(args)  # before the call: a boxed call frees its inputs as it goes
         if self._state == "measure" and grad:
             if measure_step_enabled():
-                return self._measured_forward(args)
+                out = self._measured_forward(args)
+                self._note_io(io, out)
+                return out
             self._note_profiled_call()
         out = self._current(*args)
+        self._note_io(io, out)
         node = self._track(args, out, window=self._state == "pending") if grad else None
         if node is None and self._state == "pending":
             self._count_pending_call()
         return out
+
+    def _io_refs(self, args):
+        """Weak references to this call's input tensors other than parameters, with their
+        storages' addresses, for the step ledger (:meth:`_note_io`); ``None`` outside a step
+        ledger's graph-break pairs (DDP splits are not watched)."""
+        step = self._session.step if self._session is not None else None
+        if step is None or step.split is not None:
+            return None
+        from .step_budget import storage_refs
+
+        try:
+            return storage_refs(t for t in _flat_tensors(args) if not isinstance(t, torch.nn.Parameter))
+        except Exception:  # noqa: BLE001  (the check must never break a step)
+            return None
+
+    def _note_io(self, io, out) -> None:
+        """Record the storages this call read (``io``) and made (``out``) in the step ledger
+        (:meth:`~offload_compiler.step_budget.StepLedger.note_call`): a later pair's compile tells
+        its inputs made in the step from those there from its start."""
+        if io is None:
+            return
+        from .step_budget import storage_refs
+
+        try:
+            made = storage_refs(t for t in _flat_tensors(out) if not isinstance(t, torch.nn.Parameter))
+            step = self._session.step
+            step.ledger.note_call(step.key, io + made)
+        except Exception:  # noqa: BLE001  (the check must never break a step)
+            pass
+
+    def _later_due(self) -> bool:
+        """Whether later pairs of the step, compiled after this pair's plan, read inputs that
+        exist from the step's start and that its plan did not count (they are alive while it
+        runs: :meth:`~offload_compiler.step_budget.StepLedger.later_input_bytes`). Where it
+        cannot be planned again (``runtime_check="measure"``, parameter offload) it warns once
+        with their bytes."""
+        s = self._session
+        step = s.step if s is not None else None
+        if step is None or s.step_holding is None or s.options.memory_budget.kind not in ("bytes", "fraction"):
+            return False
+        now = step.ledger.later_input_bytes(step.key)
+        if now <= s.step_later_bytes or now == self._later_tried:
+            return False
+        if self._recompile is None or self._mode != "replan":
+            self._later_tried = now
+            label = self.report.graph_id if self.report is not None else "?"
+            why = "runtime_check='measure'" if self._mode != "replan" else f"offload={s.options.offload!r}"
+            warnings.warn(
+                f"trinity graph {label}: later graph pairs of the step read {now} bytes of inputs that exist from the "
+                f"step's start (the step's inputs that only they read) and are alive while this pair runs; its plan "
+                f"counts {s.step_later_bytes}. With {why} it is not planned again for them (only "
+                "runtime_check='replan' with offload='activations' is), so the step can exceed the budget by up to "
+                f"{now - s.step_later_bytes} bytes.",
+                stacklevel=3,
+            )
+            return False
+        return True
+
+    def _replan_for_later_inputs(self, grads_due: bool = False) -> None:
+        """Plan the pair again with the later pairs' inputs that the step holds from its start
+        (:meth:`_later_due`), at this call (the next step's start, never inside a step);
+        ``grads_due``: the gradients its parameters hold changed too (:meth:`_grads_due`), and
+        the replan counts them as well."""
+        from .pipeline import InfeasibleBudgetError
+
+        step = self._session.step
+        now = step.ledger.later_input_bytes(step.key)
+        why = f"for the {now} bytes of inputs that later graph pairs of the step read (there from the step's start)"
+        if grads_due:
+            why += " and " + self._grads_why.removeprefix("for ")
+        try:
+            session = self._replan_again(why)
+        except InfeasibleBudgetError:
+            self._later_tried = now  # (not tried again)
+            if grads_due:
+                self._grad_bytes = self._grads_planned
+            raise
+        if session is None:
+            self._later_tried = now
 
     def _note_profiled_call(self) -> None:
         """A training call that the check could not measure because a profiler was already

@@ -338,8 +338,10 @@ def test_replan_for_held_gradients_after_the_step_compiled_checks_the_step():
     replan's infeasibility waited for that compile: the step ran 0.9% above 73% (predicted
     668,720 B against 655,236 B; measured 685,108 B) with no error or warning. Now the replan
     is refused at once, naming a percentage that runs; passed back, the step stays within it
-    with gradients bit-equal to eager's accumulated ones. With on_infeasible="warn" it warns."""
-    msg = _refusal_of(_accumulate_body_then_loss, "73%")
+    with gradients bit-equal to eager's accumulated ones. With on_infeasible="warn" it warns.
+    (74%: at 73% the step's check at the loss's compile refuses already, since the labels ``y``
+    that only the loss reads are counted beside the body.)"""
+    msg = _refusal_of(_accumulate_body_then_loss, "74%")
     assert "planned again for the" in msg and "bytes of gradients its parameters hold" in msg, msg
     assert "The step as planned before this replan" in msg, msg
     match = re.search(r"memory_budget='([0-9.]+%)' of the step's peak", msg)
@@ -354,11 +356,11 @@ def test_replan_for_held_gradients_after_the_step_compiled_checks_the_step():
         assert torch.equal(g, e.grad)
     report = step_report(model)
     held = nbytes(model.body.parameters())
-    assert report.pairs[0].held_bytes == held  # its own gradients
+    assert report.pairs[0].held_bytes == held + y.numel() * 4  # its own gradients, and the loss's labels
     assert report.within_budget, report.summary()
     assert m.peak_bytes <= report.budget_bytes + PEAK_SLACK_BYTES, report.summary()
     with pytest.warns(UserWarning, match=r"1 of its 2 graph pairs cannot stay within it"):
-        model, _, _ = _accumulate_body_then_loss("73%", on_infeasible="warn")
+        model, _, _ = _accumulate_body_then_loss("74%", on_infeasible="warn")
     assert not step_report(model).within_budget
 
 
