@@ -240,7 +240,8 @@ class PairHolding:
         own_lowest_peak_bytes: the pair's own peak under its lowest-peak plan (``None``: not known):
             what the step's check predicts for it where it is to be planned again for more held bytes.
         later_inputs_due: filled in by :meth:`StepLedger.report`: later pairs' inputs now known
-            hold more than its plan counted; its runtime check plans it again at its next call.
+            hold more than its plan counted, and its runtime check plans it again at its next call
+            (:meth:`StepLedger.can_replan`; where it cannot, the held bytes count them all the same).
     """
 
     label: str
@@ -621,7 +622,7 @@ class StepLedger:
             held_bytes=e.held_bytes - e.later_input_bytes + later,
             held_unplanned_bytes=e.held_unplanned_bytes - e.later_input_bytes + later,
             later_input_bytes=later,
-            later_inputs_due=later > e.later_input_bytes,
+            later_inputs_due=later > e.later_input_bytes and self.can_replan(k),
         )
 
     def has_later(self, key: Any) -> bool:
