@@ -40,6 +40,7 @@ def planner_seconds(n_layer: int, width: int = 128, seq: int = 128, batch: int =
         "all_passes_seconds": sum(seconds.values()),
         "num_candidates": r.num_candidates,
         "num_evicted": r.num_evicted,
+        "predicted_step_seconds": r.predicted_step_seconds,
         "device_figures": r.device_name,
         "recompute": r.recompute,
     }

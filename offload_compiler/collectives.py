@@ -70,6 +70,10 @@ class Link:
 # baseLat 8.4 us per collective; hwLat per step NVLink 3.4 us, PCI 5.7 us, NET 9.6 us.
 _NCCL_BASE = 8.4 * US
 
+DEFAULT_LINK = "pcie"
+"""The link assumed between the ranks when the ``interconnect`` option is unset: the slower of the
+links inside one node in :data:`LINKS` (a conservative default)."""
+
 LINKS: dict[str, Link] = {
     # NVIDIA H100 SXM datasheet: NVLink 4, 900 GB/s per GPU both directions = 450 GB/s each way;
     # 80% practical (nccl-tests report 460-480 GB/s all-reduce bus bandwidth on 8xH100 with

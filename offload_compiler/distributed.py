@@ -276,15 +276,14 @@ def resolve_interconnect(name):
     """The :class:`~offload_compiler.collectives.Link` of the ``interconnect`` option: a key of
     :data:`~offload_compiler.collectives.LINKS`, a JSON file written by ``python -m
     offload_compiler calibrate --collectives`` (:func:`~offload_compiler.collectives.load_link`),
-    or ``None``: :data:`~offload_compiler.passes.grad_sync.DEFAULT_LINK`.
+    or ``None``: :data:`~offload_compiler.collectives.DEFAULT_LINK`.
 
     Raises:
         ValueError: naming the value and what is allowed.
     """
     from pathlib import Path
 
-    from .collectives import LINKS, load_link
-    from .passes.grad_sync import DEFAULT_LINK
+    from .collectives import DEFAULT_LINK, LINKS, load_link
 
     if name is None:
         return LINKS[DEFAULT_LINK]

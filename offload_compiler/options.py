@@ -284,12 +284,12 @@ class TrinityOptions:
             ``python -m offload_compiler calibrate --collectives``; ``None`` (the default):
             ``"pcie"``.
         solver_time_limit: seconds the joint planner's MIP solver (``strategy="auto"``,
-            ``passes/plan_recompute.py``) searches before it stops at an incumbent better than
-            its start (soft: it searches
-            :data:`~offload_compiler.passes.plan_recompute.SOLVER_START_PATIENCE_S` more for
-            one, and up to ``max(this, 10)`` s when it has none). Default 0.5 (the demo GPT at 48
-            layers plans in under 2 s); a larger value can find a faster plan for a large model
-            (the previous frontier run, whose solver searched longer, had llama-7b's plan 2% faster).
+            ``passes/plan_recompute.py``) searches per program before it stops at its best
+            solution so far (soft: without one it searches on,
+            :data:`~offload_compiler.passes.plan_recompute.SOLVER_START_PATIENCE_S` more when
+            the recompute-only choice is known to fit, else up to ``max(this, 10)`` s). Default
+            0.5 (the demo GPT at 48 layers plans in 1.6 s on H100 figures); a larger value can
+            find a faster plan for a large model (llama-7b's plan is 2.7% faster at 60 s).
     """
 
     memory_budget: MemoryBudget = field(default_factory=lambda: MemoryBudget("auto"))

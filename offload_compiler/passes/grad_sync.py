@@ -57,9 +57,7 @@ __all__ = [
     "bucket_layout",
 ]
 
-DEFAULT_LINK = "pcie"
-"""The link assumed between the ranks when the ``interconnect`` option is unset: the slower of the
-links inside one node in :data:`offload_compiler.collectives.LINKS` (a conservative default)."""
+from ..collectives import DEFAULT_LINK  # noqa: E402  (re-exported: defined next to LINKS)
 
 
 def bucket_layout(grads: Sequence[tuple[Hashable, int, object]], caps: Sequence[int]) -> tuple[tuple, ...]:
