@@ -86,8 +86,9 @@ def _ddp_grad_sync(ddp: torch.nn.Module, slots: dict):
     """The gradient averaging of a pair compiled in ``ddp``'s forward with ``offload="all"``:
     the slots of the parameters DDP itself would reduce (requiring a gradient, not in
     ``ddp.parameters_to_ignore``)."""
-    from .runtime.grad_sync import GradSync
+    from .runtime.grad_sync import GradSync, install_idle_comm_hook
 
+    install_idle_comm_hook(ddp)  # DDP's own reducer stays idle for what trinity reduces
     ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
     reduced = {id(p) for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored}
     ids = frozenset(s.id for s in slots.values() if s.grad is not None and id(s.param_ref()) in reduced)

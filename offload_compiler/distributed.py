@@ -183,11 +183,18 @@ def detect_engine(gm: fx.GraphModule | None, example_inputs: Sequence[Any]) -> E
     return Engine("fsdp2", weakref.ref(fsdp) if fsdp is not None else None, int(world))
 
 
+TRINITY_HOOK_ATTR = "_trinity_hook"
+"""Set on trinity's own DDP communication hook (``runtime.grad_sync.idle_comm_hook``), which
+:func:`ddp_comm_hook` does not report (this module does not import the runtime)."""
+
+
 def ddp_comm_hook(ddp: torch.nn.Module) -> str | None:
     """The name of the communication hook registered on ``ddp`` (Python or built-in), or ``None``."""
     hooks = getattr(ddp, "_comm_hooks", None)
     if hooks:
         hook = hooks[0][0]
+        if getattr(hook, TRINITY_HOOK_ATTR, False):
+            return None  # trinity's own (runtime.grad_sync.idle_comm_hook), from an earlier compile
         return getattr(hook, "__qualname__", repr(hook))
     try:
         name = ddp._get_ddp_logging_data().get("comm_hook")

@@ -190,7 +190,7 @@ def ddp_run(
     # ProcessGroup.allreduce (a plain dist.all_reduce) and .allreduce_coalesced (one coalesced
     # collective over several tensors) each count once; DDP's reducer calls the process group
     # from C++, unseen here.
-    all_reduces, per_step = [0], []
+    all_reduces, per_step, ddp_buckets = [0], [], []
     pg_class = torch._C._distributed_c10d.ProcessGroup
     real = {name: getattr(pg_class, name) for name in ("allreduce", "allreduce_coalesced")}
 
@@ -239,6 +239,8 @@ def ddp_run(
         else:
             losses += train_step()
         per_step.append(all_reduces[0] - calls_before)
+        # DDP's buckets in this step's backward (rebuilt in the next forward after the first).
+        ddp_buckets.append(len(ddp.reducer._get_zeros_like_grad_buckets()))
         opt.step()
         opt.zero_grad(set_to_none=True)
     for name, fn in real.items():
@@ -246,6 +248,8 @@ def ddp_run(
     if mode == "all":
         opt.synchronize()
     report = offload_compiler.step_report(ddp)
+    # offload="all": trinity's idle_comm_hook on DDP's reducer, which must not communicate.
+    idle = [(s.idle_buckets, s.reduced_buckets) for h, s in ddp._comm_hooks if h.__name__ == "idle_comm_hook"]
     # The bucket all-reduces trinity planned per synced backward (offload="all"), over the pairs.
     syncs = [
         r.param_offload["grad_sync"]
@@ -258,6 +262,8 @@ def ddp_run(
         "shard": opt.shard if mode == "all" else None,
         "all_reduces_per_step": per_step,
         "params_needing_grad": sum(p.requires_grad for p in model.parameters()),
+        "ddp_buckets": ddp_buckets,
+        "ddp_hook_buckets": list(idle[0]) if idle else None,
         "planned_buckets": sum(g["num_buckets"] for g in syncs),
         "bucket_bytes": [b for g in syncs for b in g["bucket_bytes"]],
         "bucket_caps": [g["bucket_caps"] for g in syncs],

@@ -83,6 +83,7 @@ def test_ddp_with_split_graphs_matches_ddp(results):
     # "60%" is of the whole step's unplanned peak (4 splits), not of each split's.
     assert r["budget_bytes"] == int(0.6 * r["unplanned_peak_bytes"])
     within_step_budget(r)
+    assert r["ddp_hook_buckets"] is None  # DDP reduces itself: trinity registers no hook
 
 
 def test_ddp_split_graphs_share_an_absolute_step_budget(results):
@@ -131,6 +132,17 @@ def test_ddp_offload_all_averages_gradients_like_ddp(results):
     assert all(s > 0 for s in r["allreduce_seconds"]) and len(r["allreduce_seconds"]) == r["splits"]
     assert r["loss_rel_err"] <= 1e-6 and r["param_rel_err"] <= 1e-6 and r["rank_max_diff"] == 0
     within_step_budget(r)
+    ddp_reducer_stays_idle(r, synced_backwards=3)
+
+
+def ddp_reducer_stays_idle(r, synced_backwards):
+    """One synced backward per step here (``ddp_buckets``: DDP's buckets in each step's)."""
+    # DDP's own reducer fires for every bucket of every synced backward; trinity's comm hook
+    # returns each without communicating (every gradient in it was reduced by trinity), so no
+    # bucket is all-reduced twice (all_reduces_per_step counts the hook's collectives too).
+    idle, reduced = r["ddp_hook_buckets"]
+    assert len(r["ddp_buckets"]) == synced_backwards
+    assert reduced == 0 and idle == sum(r["ddp_buckets"]), (r["ddp_hook_buckets"], r["ddp_buckets"])
 
 
 def test_ddp_offload_all_with_default_buckets_reduces_once_per_step(results):
@@ -140,6 +152,7 @@ def test_ddp_offload_all_with_default_buckets_reduces_once_per_step(results):
     assert r["splits"] == 1 and r["bucket_caps"] == [[2**20, 25 * 2**20]]
     assert r["planned_buckets"] == 1 and r["all_reduces_per_step"] == [1] * 3
     assert r["loss_rel_err"] <= 1e-6 and r["param_rel_err"] <= 1e-6 and r["rank_max_diff"] == 0
+    ddp_reducer_stays_idle(r, synced_backwards=3)
 
 
 def test_ddp_offload_all_with_a_sharded_cpu_optimizer(results):
@@ -153,6 +166,7 @@ def test_ddp_offload_all_with_a_sharded_cpu_optimizer(results):
     assert "sharded: rank" in r["shard"]
     assert r["param_digest"] == ok(results, "ddp_all")["param_digest"]  # the unsharded optimizer's bits
     within_step_budget(r)
+    ddp_reducer_stays_idle(r, synced_backwards=3)
 
 
 def test_ddp_offload_all_respects_no_sync(results):
@@ -161,6 +175,7 @@ def test_ddp_offload_all_respects_no_sync(results):
     n = r["planned_buckets"]
     assert r["all_reduces_per_step"] == [n] * 3 and r["splits"] <= n < r["params_needing_grad"] // 2
     assert r["param_rel_err"] <= 1e-6 and r["rank_max_diff"] == 0
+    ddp_reducer_stays_idle(r, synced_backwards=3)  # the no_sync micro-steps fire no DDP hook
 
 
 def test_ddp_comm_hook_with_offload_all_is_refused(results):

@@ -132,3 +132,45 @@ def test_python_reducer_with_offload_all_is_refused():
     assert isinstance(err, UnsupportedCombinationError), repr(err)
     assert "Python reducer" in str(err), str(err)
 
+
+
+def test_offload_all_keeps_ddps_reducer_idle_and_reduces_an_uncompiled_step():
+    """With offload='all' trinity reduces the gradients itself and registers its comm hook on
+    the DDP module: DDP's reducer returns every bucket of a compiled backward without
+    communicating. A backward of the module run uncompiled (parameters materialized) is not
+    trinity's: the hook reduces that bucket as DDP would (one rank: the gradient itself)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from offload_compiler import CPUOptimizer, materialized
+    from offload_compiler.runtime.grad_sync import idle_comm_hook
+
+    torch._dynamo.reset()
+    model, ref_model = mlp(), mlp()
+    ddp = DDP(model)
+    compiled = torch.compile(ddp, backend="trinity", options={"inner": "eager", "offload": "all"})
+    opt = CPUOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    for _ in range(2):
+        compiled(X).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ref_model(X).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    # DDP's reducer still writes zeros into p.grad (the bucket it was handed back);
+    # CPUOptimizer.zero_grad frees them like any .grad.
+    assert all(p.grad is None for p in model.parameters())
+    [(hook, state)] = ddp._comm_hooks
+    assert hook is idle_comm_hook
+    buckets = len(ddp.reducer._get_zeros_like_grad_buckets())
+    assert (state.idle_buckets, state.reduced_buckets) == (2 * buckets, 0)
+    with materialized(model.parameters()):
+        for p, r in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p, r, rtol=1e-6, atol=0)
+        for p in model.parameters():
+            p.grad = None
+        ddp(X).sum().backward()
+        ref_model(X).sum().backward()
+        assert (state.idle_buckets, state.reduced_buckets) == (2 * buckets, buckets)
+        for p, r in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)

@@ -958,6 +958,10 @@ class CPUOptimizer:
             if s is None or s.grad is None:
                 continue
             s.num_grads = 0
+            if set_to_none and p.grad is not None:
+                # The device tensor of zeros DDP's reducer writes for a parameter whose gradient
+                # went to the host (offload="all" under DDP): freed like any .grad.
+                p.grad = None
             if set_to_none:
                 # A gradient copy still in flight is completed by the next gradient's copy or
                 # the worker, before anything reads the host gradient again.

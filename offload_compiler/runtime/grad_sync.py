@@ -39,6 +39,16 @@ producing a gradient of one parameter (a weight read on both sides of a graph br
 reduced one after the other, each folding in what the host holds: ``R1 + avg(g2)``, the value
 DDP gets from accumulating a reduced gradient.
 
+DDP's own reducer still fires its hooks for these parameters (autograd runs their gradient
+accumulators with no gradient): without more it would all-reduce its buckets of zeros a second
+time. The backend therefore registers :func:`idle_comm_hook` as the DDP module's communication
+hook (``DistributedDataParallel.register_comm_hook``; only with ``offload="all"``, where a hook
+of the user's is refused): a bucket whose every parameter had its gradient reduced by trinity
+since its pair's latest forward is returned as it is, without communicating (as torch's
+``noop_hook``; the marks are taken then); any other bucket (a parameter whose gradient reached DDP another way, e.g. the
+module run uncompiled) is averaged exactly as DDP's built-in reduction does (``bucket *
+(1 / world_size)``, all-reduced with ``SUM``).
+
 Every rank receives every averaged gradient; with
 ``CPUOptimizer(shard_group=...)`` each rank then updates only its share of the parameters and
 broadcasts it (:mod:`.cpu_optim`), else every rank updates every parameter on identical gradients.
@@ -57,7 +67,7 @@ from ..ir import ops as _ir_ops  # noqa: F401  (defines the trinity::* schemas f
 from .model_state import get_slot, grad_key
 from .transfer import get_runtime
 
-__all__ = ["GradSync", "get_grad_sync"]
+__all__ = ["GradSync", "IdleHookState", "get_grad_sync", "idle_comm_hook", "install_idle_comm_hook"]
 
 _ids = itertools.count(1)
 _registry: weakref.WeakValueDictionary[int, GradSync] = weakref.WeakValueDictionary()
@@ -105,6 +115,7 @@ class GradSync:
         self.sync = True
         self.num_reduced = 0
         self.num_collectives = 0
+        self.reduced: set[int] = set()  # slots reduced by trinity since the latest forward
         self._pending: dict[int, list[tuple[int, torch.Tensor]]] = {}  # bucket -> entries not launched
         self._bucket_of: dict[int, int] = {}  # slot -> bucket of its pending entry
         self._inflight: dict[int, tuple[_Launch, torch.Tensor]] = {}  # slot -> (its launch, its entry)
@@ -117,6 +128,8 @@ class GradSync:
         """Record the sync decision of the forward now running (``trinity::grad_sync_mark``)."""
         ddp = self.ddp_ref()
         self.sync = bool(getattr(ddp, "require_backward_grad_sync", True)) if ddp is not None else True
+        with self._lock:
+            self.reduced.clear()
 
     def reduce(self, g: torch.Tensor, slot_id: int, runtime, inplace: bool, bucket: int, launch: bool) -> None:
         """``trinity::grad_reduce`` (module docstring)."""
@@ -135,6 +148,7 @@ class GradSync:
         else:
             entry = g.mul_(scale) if inplace else torch.mul(g, scale)
         with self._lock:
+            self.reduced.add(slot_id)
             self._pending.setdefault(bucket, []).append((slot_id, entry))
             self._bucket_of[slot_id] = bucket
             if launch:
@@ -174,6 +188,99 @@ class GradSync:
             del bucket
         runtime.wait_key(grad_key(slot_id))
         runtime.reap_staged()
+
+
+class IdleHookState:
+    """The state of :func:`idle_comm_hook` on one DDP module.
+
+    Attributes:
+        ddp_ref: the module (weakly).
+        idle_buckets: buckets returned without communication (all their gradients reduced by
+            trinity).
+        reduced_buckets: buckets averaged by the hook itself, as DDP's built-in reduction.
+    """
+
+    def __init__(self, ddp: torch.nn.Module):
+        self.ddp_ref = weakref.ref(ddp)
+        self.idle_buckets = 0
+        self.reduced_buckets = 0
+
+    def __getstate__(self):  # DDP pickles its comm hooks' state with the module
+        return {"idle_buckets": self.idle_buckets, "reduced_buckets": self.reduced_buckets}
+
+    def __setstate__(self, state):
+        self.ddp_ref = lambda: None
+        self.idle_buckets = state["idle_buckets"]
+        self.reduced_buckets = state["reduced_buckets"]
+
+
+def _take_reduced(ddp: torch.nn.Module, slot_ids: list[int]) -> bool:
+    """Whether the live :class:`GradSync` objects of ``ddp`` reduced the gradients of all of
+    ``slot_ids`` since their pairs' latest forwards; if so the marks are taken (removed), so
+    that a later backward that trinity does not reduce (the module run uncompiled) is reduced
+    by the hook again."""
+    with _registry_lock:
+        syncs = [s for s in _registry.values() if s.ddp_ref() is ddp]
+    for sync in syncs:
+        sync._lock.acquire()
+    try:
+        done = set().union(*(s.reduced for s in syncs)) if syncs else set()
+        if not slot_ids or not all(i in done for i in slot_ids):
+            return False
+        for sync in syncs:
+            sync.reduced.difference_update(slot_ids)
+        return True
+    finally:
+        for sync in syncs:
+            sync._lock.release()
+
+
+def idle_comm_hook(state, bucket):  # unannotated: DDP checks annotations, which are strings here
+    """DDP communication hook under ``offload="all"`` (module docstring): ``bucket``'s buffer
+    (1-D, the bucket's gradients flattened) returned as it is when trinity reduced every one of
+    its parameters' gradients in this backward, else averaged as DDP's built-in reduction does.
+    Every rank runs the same graphs, so every rank takes the same branch for a bucket.
+
+    Args:
+        state: the module's :class:`IdleHookState` (counts the branches taken).
+        bucket: DDP's ``dist.GradBucket``.
+
+    Returns:
+        a future of the bucket's averaged 1-D buffer, as every DDP communication hook.
+    """
+    from .model_state import slot_of
+
+    ddp = state.ddp_ref()
+    slots = [slot_of(p) for p in bucket.parameters()]
+    if ddp is not None and all(s is not None for s in slots) and _take_reduced(ddp, [s.id for s in slots]):
+        state.idle_buckets += 1
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+    state.reduced_buckets += 1
+    group = ddp.process_group if ddp is not None else None
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / dist.get_world_size(group))  # as reducer.cpp's mul_out by 1 / div_factor
+    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0])
+
+
+idle_comm_hook._trinity_hook = True  # distributed.TRINITY_HOOK_ATTR: not a user's hook to refuse
+
+
+def install_idle_comm_hook(ddp: torch.nn.Module) -> IdleHookState:
+    """Register :func:`idle_comm_hook` on ``ddp`` once (a later call returns the same state).
+
+    Raises:
+        RuntimeError: from ``register_comm_hook`` when another hook is registered already
+            (``offload="all"`` refuses a user's hook before this is called).
+    """
+    for hook, state in getattr(ddp, "_comm_hooks", ()):
+        if hook is idle_comm_hook:
+            return state
+    state = IdleHookState(ddp)
+    ddp.register_comm_hook(state, idle_comm_hook)
+    return state
 
 
 def get_grad_sync(sync_id: int) -> GradSync:
