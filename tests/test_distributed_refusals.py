@@ -133,7 +133,6 @@ def test_python_reducer_with_offload_all_is_refused():
     assert "Python reducer" in str(err), str(err)
 
 
-
 def test_offload_all_keeps_ddps_reducer_idle_and_reduces_an_uncompiled_step():
     """With offload='all' trinity reduces the gradients itself and registers its comm hook on
     the DDP module: DDP's reducer returns every bucket of a compiled backward without
@@ -152,14 +151,15 @@ def test_offload_all_keeps_ddps_reducer_idle_and_reduces_an_uncompiled_step():
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
     for _ in range(2):
         compiled(X).sum().backward()
+        # The idle buckets DDP's reducer writes back into p.grad (zeros) are dropped at the end
+        # of the backward: no device memory held until zero_grad, nothing for a torch.optim
+        # optimizer to step on the released parameters.
+        assert all(p.grad is None for p in model.parameters())
         opt.step()
         opt.zero_grad()
         ref_model(X).sum().backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    # DDP's reducer still writes zeros into p.grad (the bucket it was handed back);
-    # CPUOptimizer.zero_grad frees them like any .grad.
-    assert all(p.grad is None for p in model.parameters())
     [(hook, state)] = ddp._comm_hooks
     assert hook is idle_comm_hook
     buckets = len(ddp.reducer._get_zeros_like_grad_buckets())
@@ -167,10 +167,37 @@ def test_offload_all_keeps_ddps_reducer_idle_and_reduces_an_uncompiled_step():
     with materialized(model.parameters()):
         for p, r in zip(model.parameters(), ref_model.parameters()):
             torch.testing.assert_close(p, r, rtol=1e-6, atol=0)
-        for p in model.parameters():
-            p.grad = None
         ddp(X).sum().backward()
         ref_model(X).sum().backward()
         assert (state.idle_buckets, state.reduced_buckets) == (2 * buckets, buckets)
         for p, r in zip(model.parameters(), ref_model.parameters()):
             torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)
+    # On exit the averaged gradients of that uncompiled step went to the host gradients, and
+    # the CPU optimizer steps with them (a fresh-user trial: they were dropped silently).
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    opt.zero_grad()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    with materialized(model.parameters()):
+        for p, r in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p, r, rtol=1e-6, atol=0)
+
+
+def test_offload_all_under_ddp_with_a_torch_optimizer_fails_with_trinitys_error():
+    """offload='all' under DDP with a torch.optim optimizer instead of CPUOptimizer: the step
+    updates nothing (p.grad stays None) and the next forward raises trinity's error naming the
+    parameter (a fresh-user trial: DDP's zero p.grad made AdamW step the released parameters
+    and both ranks died with SIGSEGV)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    model = mlp()
+    ddp = DDP(model)
+    compiled = torch.compile(ddp, backend="trinity", options={"inner": "eager", "offload": "all"})
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    compiled(X).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"no offload_compiler.CPUOptimizer owns this parameter"):
+        compiled(X).sum().backward()

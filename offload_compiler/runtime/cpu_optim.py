@@ -614,16 +614,31 @@ class CPUOptimizer:
                 on the device by the plan.
         """
         slots: list[ParamSlot | None] = []
-        for p in self._params:
+        for i, p in enumerate(self._params):
             slot = slot_of(p)
             if slot is None and getattr(p, ON_DEVICE_ATTR, False):
                 slots.append(None)
                 continue
-            if slot is None or slot.keep_resident or (p.requires_grad and slot.grad is None):
+            if slot is not None and not slot.keep_resident and p.requires_grad and slot.grad is None:
                 raise ValueError(
-                    "CPUOptimizer: a parameter is not offloaded with offload='all'; compile the model with "
-                    "torch.compile(model, backend='trinity', options={'offload': 'all', 'inner': 'eager'}) and "
-                    "run a step before opt.step()"
+                    f"CPUOptimizer: {slot.label()} is offloaded with offload='all' but no compiled backward "
+                    "has a gradient for it: the compiled forward does not use it (an unused parameter: pass only "
+                    "the parameters the model uses, or set requires_grad=False on it), or no compiled step has "
+                    "run yet (run one before opt.step())"
+                )
+            if slot is None or slot.keep_resident:
+                what = f"parameter {i} of the optimizer (shape {list(p.shape)}, {p.dtype})"
+                raise ValueError(
+                    f"CPUOptimizer: {slot.label() if slot is not None else what} is not offloaded with "
+                    "offload='all'"
+                    + (
+                        " (it is offloaded with offload='activations+params': use your own optimizer)"
+                        if slot is not None
+                        else ": compile its model with torch.compile(model, backend='trinity', options={'offload': "
+                        "'all'}) and run a step before opt.step(). If its model is compiled so, the compiled "
+                        "forward never reads it (Dynamo gives trinity only the parameters the forward reads): leave "
+                        "it out of CPUOptimizer, or set requires_grad=False on it and leave it out"
+                    )
                 )
             slots.append(slot)
         return slots

@@ -251,9 +251,11 @@ def idle_comm_hook(state, bucket):  # unannotated: DDP checks annotations, which
     from .model_state import slot_of
 
     ddp = state.ddp_ref()
-    slots = [slot_of(p) for p in bucket.parameters()]
+    params = bucket.parameters()
+    slots = [slot_of(p) for p in params]
     if ddp is not None and all(s is not None for s in slots) and _take_reduced(ddp, [s.id for s in slots]):
         state.idle_buckets += 1
+        _drop_ddp_grads_after_backward(params)
         fut = torch.futures.Future()
         fut.set_result(bucket.buffer())
         return fut
@@ -263,6 +265,31 @@ def idle_comm_hook(state, bucket):  # unannotated: DDP checks annotations, which
     buffer.mul_(1.0 / dist.get_world_size(group))  # as reducer.cpp's mul_out by 1 / div_factor
     work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return work.get_future().then(lambda f: f.value()[0])
+
+
+def _drop_ddp_grads_after_backward(params: list[torch.Tensor]) -> None:
+    """Set ``p.grad = None`` for ``params`` once DDP's reducer has written them at the end of
+    this backward.
+
+    Their gradients went to host memory through trinity (``offload="all"``); what DDP's reducer
+    writes into ``p.grad`` at the end of the backward (``finalize_backward``, a final callback of
+    the autograd engine that the reducer queues only when its last bucket is ready, so after this
+    hook) is the idle bucket handed back: zeros of the parameters' sizes on the device. Left
+    there, they would hold device memory until ``zero_grad`` and let a ``torch.optim`` optimizer
+    step the released parameters (their storage freed: a crash in the optimizer's kernels rather
+    than trinity's error naming the parameter at the next forward). The engine runs the final
+    callbacks in the order queued, callbacks queued by a callback included, so the callback
+    queued here queues the one that drops the gradients, which then runs after DDP's."""
+    engine = torch.autograd.Variable._execution_engine
+    refs = [weakref.ref(p) for p in params]
+
+    def drop() -> None:
+        for ref in refs:
+            p = ref()
+            if p is not None:
+                p.grad = None
+
+    engine.queue_callback(lambda: engine.queue_callback(drop))
 
 
 idle_comm_hook._trinity_hook = True  # distributed.TRINITY_HOOK_ATTR: not a user's hook to refuse

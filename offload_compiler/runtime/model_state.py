@@ -486,6 +486,12 @@ def materialized(params: Iterable[torch.Tensor]) -> Iterator[None]:
     copied back into their host master copies (so a ``load_state_dict`` inside takes effect) and
     their device memory is freed again. Waits for pending CPU-optimizer updates first.
     Parameters that are not offloaded are left alone.
+
+    A gradient an uncompiled backward inside the block leaves in ``p.grad`` (under DDP, averaged
+    by its reducer through trinity's hook) of a parameter offloaded with ``offload="all"`` is
+    added into its host gradient on exit, as a compiled backward's would be (accumulating since
+    the last ``zero_grad``), and ``p.grad`` is set to ``None``: ``CPUOptimizer.step()`` then
+    updates with it.
     """
     slots = []
     seen = set()
@@ -502,6 +508,23 @@ def materialized(params: Iterable[torch.Tensor]) -> Iterator[None]:
         for slot in slots:
             if not slot.keep_resident:
                 slot.release(write_back=True)
+                _hand_device_grad_to_host(slot)
+
+
+def _hand_device_grad_to_host(slot: ParamSlot) -> None:
+    """Move the device ``.grad`` of ``slot``'s parameter (``offload="all"``), if any, into its
+    host gradient (added to the gradients since the last ``zero_grad``; see :func:`materialized`)
+    and set ``.grad`` to ``None``. Called after the parameter's write-back, so an update the
+    arriving gradient starts (``CPUOptimizer(overlap="backward")``) reads the written-back
+    master."""
+    p = slot.param_ref()
+    g = p.grad if p is not None else None
+    if g is None:
+        return
+    p.grad = None
+    slot.enable_host_grad()
+    slot.finish_grad()
+    slot.add_grad(g.detach())
 
 
 def _in_optimized_module() -> bool:
