@@ -35,7 +35,8 @@ copy nothing). Peaks include AdamW's state (two tensors per parameter), as ``pla
 ``python -m bench.frontier [--cpu] [--gpu] [--rounds 6]`` writes ``bench/results/recompute_frontier.json``
 (both parts; ``recompute_frontier_cpu.json`` / ``recompute_frontier_gpu_predicted.json`` for one)
 with device, torch, command and commit, and one PNG per model and device; issue 14's targets are
-judged in the JSON's ``cpu_targets`` and ``gpu_targets``.
+judged in the JSON's ``cpu_targets`` and ``gpu_targets``. ``--cpu --only KEYS`` measures just those
+methods again (a point's run-to-run spread) into ``recompute_frontier_cpu_repeat.json``.
 """
 
 from __future__ import annotations
@@ -633,7 +634,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=6, help="ABBA rounds timed per method (default 6)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--only",
+        default=None,
+        metavar="KEYS",
+        help="with --cpu only: measure just these comma-separated method keys (e.g. trinity-auto-50%%) to repeat "
+        "points; writes recompute_frontier_cpu_repeat.json (no plots), leaving the full run's file alone",
+    )
     args = parser.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else None
+    if only is not None and (args.gpu or not args.cpu or args.bound is not None):
+        parser.error("--only repeats CPU points: use it with --cpu alone")
     if not (args.cpu or args.gpu):
         args.cpu = args.gpu = True
     payload: dict = {"budgets": BUDGETS, "sac_fractions": SAC_FRACTIONS, "note": __doc__}
@@ -673,11 +684,14 @@ def main(argv: list[str] | None = None) -> int:
                 with torch._functorch.config.patch(enable_autograd_cache=False):
                     for name in args.cpu_models.split(","):
                         print(f"CPU (measured): {name}", flush=True)
-                        results.append(cpu_frontier(name, args.rounds, args.warmup))
-                        plot_cpu(results[-1])
+                        results.append(cpu_frontier(name, args.rounds, args.warmup, only))
+                        if only is None:
+                            plot_cpu(results[-1])
         payload["cpu_measured"] = results
         payload["cpu_targets"] = cpu_targets(results)
     name = "recompute_frontier" + ("" if args.cpu and args.gpu else "_cpu" if args.cpu else "_gpu_predicted")
+    if only is not None:
+        name, payload["only"] = "recompute_frontier_cpu_repeat", sorted(only)
     path = write_result(name, payload, torch.device("cpu"))
     print(f"written {path}")
     for part in ("gpu_targets", "cpu_targets"):
