@@ -320,11 +320,15 @@ class StepReport:
                     f" [to be replanned at its next call: later pairs' inputs hold "
                     f"{format_bytes(p.later_input_bytes)} beside it]"
                 )
-            later = (
-                f" (of which {format_bytes(p.later_input_bytes)} inputs of later pairs, there from the step's start)"
-                if p.later_input_bytes
-                else ""
-            )
+            parts = []
+            if p.held_kept_bytes:
+                parts.append(f"{format_bytes(p.held_kept_bytes)} saved activations that earlier pairs or runs keep")
+            if p.later_input_bytes:
+                parts.append(f"{format_bytes(p.later_input_bytes)} inputs of later pairs, there from the step's start")
+            rest = p.held_bytes - p.held_kept_bytes - p.later_input_bytes
+            if parts and rest > 0:
+                parts.append(f"{format_bytes(rest)} other parameters, gradients, buckets and inputs")
+            later = f" (of which {'; '.join(parts)})" if parts else ""
             lines.append(
                 f"  {p.label}{runs}: own peak {format_bytes(p.own_planned_peak_bytes)} "
                 f"(unplanned {format_bytes(p.own_unplanned_peak_bytes)}), keeps "

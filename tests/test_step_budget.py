@@ -374,6 +374,14 @@ def test_inputs_that_only_a_later_pair_reads_count_while_earlier_pairs_run(budge
     assert loss.later_input_bytes == 0
     assert report.within_budget, report.summary()
     assert "inputs of later pairs" in report.summary()
+    # Which pair holds what: the loss pair's line splits what the others hold into the body's
+    # kept saved activations and the rest (a fresh-user trial: "the others hold X" was one total).
+    from offload_compiler.options import format_bytes
+
+    body_line, loss_line = report.summary().splitlines()[1:]
+    assert loss.held_kept_bytes == body.kept_bytes > 0
+    assert f"(of which {format_bytes(loss.held_kept_bytes)} saved activations that earlier pairs" in loss_line
+    assert f"(of which {format_bytes(SOFT_Y_BYTES)} inputs of later pairs" in body_line
     assert m.peak_bytes <= report.predicted_peak_bytes + PEAK_SLACK_BYTES, report.summary()  # y predicted
 
 
