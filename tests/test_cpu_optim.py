@@ -344,3 +344,28 @@ def test_muon_through_offload_all_matches_eager_muon():
     for p, q in zip(ref.parameters(), model.parameters()):
         assert torch.equal(p.detach(), slot_of(q).master)
     torch._dynamo.reset()
+
+
+def test_script_ending_right_after_step_exits_cleanly(tmp_path):
+    """A training script that ends right after ``opt.step()`` (no ``synchronize()``): the worker
+    finishes the queued update and stops at interpreter exit. A fresh-user trial's script
+    aborted there ("terminate called without an active exception", exit code 134) 3 times in 3:
+    the daemon worker was killed inside a torch kernel."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, offload_compiler\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 64))\n"
+        "c = torch.compile(model, backend='trinity', options={'inner': 'eager', 'offload': 'all'})\n"
+        "opt = offload_compiler.CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)\n"
+        "for s in range(2):\n"
+        "    c(torch.randn(1024, 64)).square().mean().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+        "print('done', flush=True)\n"
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "done" in run.stdout, (run.returncode, run.stderr[-2000:])

@@ -317,6 +317,25 @@ def test_uncompiled_backward_inside_materialized_reaches_the_cpu_optimizer():
             assert torch.equal(a, b), f"parameter {name} differs"
 
 
+def test_cpu_optimizer_refuses_a_device_grad_no_compiled_backward_wrote():
+    """An uncompiled micro-step before the model's first compiled call leaves p.grad on the
+    device, outside materialized(): the update would silently leave it out (a fresh-user
+    trial: 5.8% of the largest parameter off after 3 steps), so step() refuses, naming it."""
+    ref, cref, model, cm = pair("all")
+    opt = CPUOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    idx, t = batch()
+    model(idx, t).backward()  # uncompiled: nothing is offloaded yet
+    cm(idx, t).backward()
+    with pytest.raises(
+        RuntimeError, match=r"CPUOptimizer.step: parameter 'gpt.tok.weight' .* has a device .grad that no compiled"
+    ):
+        opt.step()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    cm(idx, t).backward()
+    opt.step()  # a clean step runs
+
+
 def test_cpu_optimizer_names_an_unused_parameter():
     """A parameter the compiled forward never reads is not the model's offloaded parameter: the
     error says so (a fresh-user trial got 'compile the model and run a step' after both)."""

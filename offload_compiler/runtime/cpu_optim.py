@@ -176,6 +176,14 @@ ELEMENTWISE = frozenset(
 _PIECE_ALIGN = 64  # elements: pieces start and end on multiples (vector width, cache line)
 
 
+def _stop_worker(work: queue.Queue, thread: threading.Thread) -> None:
+    """Stop a :class:`CPUOptimizer`'s worker once the work queued before is done, and wait for it
+    (not from the worker itself: a finalizer may run there)."""
+    work.put(None)
+    if thread is not threading.current_thread():
+        thread.join()
+
+
 @functools.cache
 def fused_cpu_kernel(optimizer_class: type) -> bool:
     """Whether torch has a fused kernel of ``optimizer_class`` for CPU float32 tensors (probed
@@ -830,7 +838,11 @@ class CPUOptimizer:
                 daemon=True,
             )
             self._worker.start()
-            weakref.finalize(self, self._queue.put, None)
+            # Also at interpreter exit (weakref.finalize's atexit): the thread finishes the
+            # updates queued and stops before the interpreter tears down, instead of being
+            # killed inside a torch kernel (a fresh-user trial: a script ending right after
+            # opt.step() aborted with "terminate called without an active exception", rc 134).
+            weakref.finalize(self, _stop_worker, self._queue, self._worker)
 
     @staticmethod
     def _run(work: queue.Queue, num_threads: int) -> None:
@@ -916,6 +928,7 @@ class CPUOptimizer:
         """
         if closure is not None:
             raise ValueError("CPUOptimizer.step: closures are not supported")
+        self._refuse_device_grads()
         if self.overlap == "forward" or self._chunks is None:
             # Not synchronize(): the worker waits for the gradient copies itself, so step()
             # does not block on the backward's last copies.
@@ -955,6 +968,30 @@ class CPUOptimizer:
                 for k, v in self.param_groups[g].items():
                     inner_group[k] = v
             self._device_optimizer.step()
+
+    def _refuse_device_grads(self) -> None:
+        """Refuse a device ``.grad`` on a parameter offloaded with ``offload="all"``: no compiled
+        backward writes one (its gradients go to the host, and DDP's idle buckets are dropped),
+        and ``materialized()`` hands an uncompiled backward's to the host on exit. One left there
+        comes from an uncompiled backward outside ``materialized()`` (before the model's first
+        compiled call, where the parameters are not offloaded yet); stepping without it would
+        train silently wrong.
+
+        Raises:
+            RuntimeError: naming the first such parameter.
+        """
+        for p in self._params:
+            if p.grad is None:
+                continue
+            s = slot_of(p)
+            if s is not None and not s.keep_resident:
+                raise RuntimeError(
+                    f"CPUOptimizer.step: {s.label()} has a device .grad that no compiled backward wrote (an "
+                    "uncompiled backward outside `with offload_compiler.materialized(model.parameters()):`, or "
+                    "before the model's first compiled call); with offload='all' the update reads the host "
+                    "gradients only, so it would not be used. Run uncompiled steps inside materialized(), and "
+                    "not before the first compiled step; or zero_grad() to drop it."
+                )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the host gradients: the next backward writes them afresh (``set_to_none``) or
