@@ -137,10 +137,13 @@ def ddp_run(
     reference: str | None = None,
     on_infeasible: str = "warn",
     shard: bool = False,
+    uncompiled: frozenset = frozenset(),
 ) -> dict:
     """The same DDP training without trinity (uncompiled DDP, or ``reference``: compiled with
     that backend) and compiled with trinity; returns the measurements. ``bucket_cap_mb`` None:
-    DDP's defaults (25 MiB buckets, torch's first-bucket size)."""
+    DDP's defaults (25 MiB buckets, torch's first-bucket size). ``uncompiled``: ``(step,
+    micro-step)`` pairs run by the DDP module uncompiled, each inside its own
+    ``materialized()`` block (offload="all")."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # DDP's first bucket as large as the others (one bucket with the default 25 MiB cap).
@@ -215,13 +218,18 @@ def ddp_run(
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
 
-        def train_step(chunks=chunks):
+        def train_step(chunks=chunks, step=step):
             out = []
             for k, (x, t) in enumerate(chunks):
                 last = k == len(chunks) - 1
                 with ddp.no_sync() if no_sync and not last else contextlib.nullcontext():
-                    loss = compiled(x, t)
-                    loss.backward()
+                    if (step, k) in uncompiled:
+                        with materialized(model.parameters()):
+                            loss = ddp(x, t)
+                            loss.backward()
+                    else:
+                        loss = compiled(x, t)
+                        loss.backward()
                 out.append(loss.item())
             return out
 
@@ -337,6 +345,14 @@ def case_ddp_all_sharded():
 def case_ddp_all_no_sync():
     """offload='all' with no_sync accumulation: the first micro-step is not reduced."""
     return ddp_run("all", "60%", micro_steps=2, no_sync=True)
+
+
+def case_ddp_all_mixed_uncompiled():
+    """offload='all' with no_sync accumulation mixing compiled and uncompiled micro-steps: step 0
+    compiled then uncompiled (synced), step 1 two uncompiled micro-steps in separate
+    materialized() blocks, step 2 compiled. A fresh-user trial: the host gradients of the first
+    micro-step were never averaged, and the ranks drifted 3% apart."""
+    return ddp_run("all", "60%", micro_steps=2, no_sync=True, uncompiled=frozenset({(0, 1), (1, 0), (1, 1)}))
 
 
 def case_ddp_all_hook_refused():

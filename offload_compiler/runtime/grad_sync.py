@@ -262,6 +262,18 @@ def idle_comm_hook(state, bucket):  # unannotated: DDP checks annotations, which
     state.reduced_buckets += 1
     group = ddp.process_group if ddp is not None else None
     buffer = bucket.buffer()
+    for s, view in zip(slots, bucket.gradients()):  # views of the buffer, one per parameter
+        if s is None:
+            continue
+        # An uncompiled backward inside materialized() (offload="all"): the gradients of this
+        # step's earlier micro-steps are on the host (local ones from no_sync micro-steps, or
+        # averaged ones from a synced backward without zero_grad since). DDP's reducer averages
+        # grad + g (reducer.cpp, mark_variable_ready_dense), as the compiled path does: the host
+        # gradient joins the bucket, and on leaving materialized() the averaged total replaces it.
+        s.finish_grad()
+        if s.grad is not None and s.grad_valid and s.num_grads > 0:
+            view.add_(s.grad.to(view.device))
+        s.handover_replaces = True
     buffer.mul_(1.0 / dist.get_world_size(group))  # as reducer.cpp's mul_out by 1 / div_factor
     work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return work.get_future().then(lambda f: f.value()[0])

@@ -165,6 +165,9 @@ class ParamSlot:
         self.grad: torch.Tensor | None = None  # host gradient (offload="all"), allocated by enable_host_grad
         self.grad_valid = False  # False after zero_grad: the next add_grad copies
         self.num_grads = 0  # gradients accumulated since zero_grad (micro-steps)
+        # Set by DDP's hook (grad_sync.idle_comm_hook) when it averaged an uncompiled backward's
+        # bucket with the host gradient in it: the next device .grad handed over replaces it.
+        self.handover_replaces = False
         self.name: str | None = None  # the parameter's name in its model, when the backend found it
         self.resident = True
         self.ready = threading.Event()  # cleared while an optimizer update of the master is pending
@@ -340,7 +343,7 @@ class ParamSlot:
             self.resident = False
             self.num_releases += 1
 
-    def add_grad(self, g: torch.Tensor, runtime=None) -> None:
+    def add_grad(self, g: torch.Tensor, runtime=None, replace: bool = False) -> None:
         """Accumulate the device gradient ``g`` (same shape as the parameter) into the host one,
         then tell the owning ``CPUOptimizer`` (if any) that it arrived.
 
@@ -352,6 +355,9 @@ class ParamSlot:
                 staging block of the runtime's pool that :meth:`finish_grad` adds (or copies) into
                 the host gradient; ``g`` must stay alive until ``trinity::grad_to_host_wait``.
                 ``None``: synchronous.
+            replace: ``g`` already includes the host gradient (DDP averaged the two, see
+                :func:`materialized`): it replaces the host gradient instead of adding to it
+                (synchronous only).
 
         Raises:
             RuntimeError: when the slot has no host gradient, when a pending update failed, or
@@ -361,8 +367,14 @@ class ParamSlot:
         if self.grad is None:
             raise RuntimeError(f"trinity: slot {self.id} has no host gradient (offload='all' allocates it)")
         self.wait_ready()
+        if replace and runtime is not None and runtime.async_copies:
+            raise ValueError("ParamSlot.add_grad: replace=True is synchronous only (runtime=None)")
         if runtime is None or not runtime.async_copies:
-            if self.grad_valid:
+            if replace:
+                self.grad.copy_(g)
+                self.num_grads = self.num_grads + 1 if self.grad_valid else 1
+                self.grad_valid = True
+            elif self.grad_valid:
                 self.grad.add_(g.to(self.grad.device))
                 self.num_grads += 1
             else:
@@ -524,7 +536,8 @@ def _hand_device_grad_to_host(slot: ParamSlot) -> None:
     p.grad = None
     slot.enable_host_grad()
     slot.finish_grad()
-    slot.add_grad(g.detach())
+    replace, slot.handover_replaces = slot.handover_replaces, False
+    slot.add_grad(g.detach(), replace=replace)
 
 
 def _in_optimized_module() -> bool:
