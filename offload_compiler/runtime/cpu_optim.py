@@ -1010,6 +1010,7 @@ class CPUOptimizer:
             if s is None or s.grad is None:
                 continue
             s.num_grads = 0
+            s.handover_replaces = False  # a flag left by a backward that failed before its hand-over
             if set_to_none and p.grad is not None:
                 # The device tensor of zeros DDP's reducer writes for a parameter whose gradient
                 # went to the host (offload="all" under DDP): freed like any .grad.

@@ -503,7 +503,9 @@ def materialized(params: Iterable[torch.Tensor]) -> Iterator[None]:
     by its reducer through trinity's hook) of a parameter offloaded with ``offload="all"`` is
     added into its host gradient on exit, as a compiled backward's would be (accumulating since
     the last ``zero_grad``), and ``p.grad`` is set to ``None``: ``CPUOptimizer.step()`` then
-    updates with it.
+    updates with it. Where DDP's reducer averaged it together with the host gradient (a synced
+    backward after earlier micro-steps, ``grad_sync.idle_comm_hook``), it replaces the host
+    gradient instead.
     """
     slots = []
     seen = set()
