@@ -4,6 +4,8 @@ Layout of ``<dump_dir>/graph_<id>/``::
 
     00_partitioned.forward.py   the graphs as AOTAutograd's partitioner made them
     00_partitioned.backward.py
+    05_reorder.forward.py        after the reorder and the addmm split (when they changed anything)
+    05_reorder.backward.py
     07_insert_recompute.forward.py   after the recomputation (when the plan recomputes)
     07_insert_recompute.backward.py
     10_insert_transfers.forward.py   after trinity's rewrite (one pair per mutating pass)

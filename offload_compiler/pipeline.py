@@ -43,6 +43,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from .devices import DeviceSpec, detect_device_spec
 from .dump import GraphDumper
 from .graph_pair import GraphPair, fill_tuple_vals
+from .ir.meta import TARGET_DEVICE_KEY
 from .ir.refs import plain_dict
 from .options import TrinityOptions
 from .passes import (
@@ -59,6 +60,7 @@ from .passes import (
     plan_window,
     reorder,
     size_guard,
+    split_addmm,
     verify,
 )
 from .passes.margins import WorkspaceMargins
@@ -347,16 +349,28 @@ def resolve_budget(
     return None
 
 
-def prepare(pair: GraphPair) -> int:
+def prepare(pair: GraphPair, inner: str = "eager") -> int:
     """The rewrite every caller runs before planning: ``meta["val"]`` for tuple-valued nodes
-    (:func:`~.graph_pair.fill_tuple_vals`) and :func:`~.passes.reorder.hoist_frees` on both
-    graphs. Returns how many nodes were moved. Mutates the graphs; runs once per pair (it marks
-    the forward's ``meta["trinity_prepared"]``; a second call does nothing and returns 0)."""
+    (:func:`~.graph_pair.fill_tuple_vals`), :func:`~.passes.reorder.hoist_frees` on both graphs
+    and, with ``inner="inductor"``, :func:`~.passes.split_addmm.split_late_addmm` on both (for
+    the device in the forward's :data:`~offload_compiler.ir.meta.TARGET_DEVICE_KEY` where set).
+    Returns how many nodes were moved or fenced. Mutates the graphs; runs once per pair (it marks
+    the forward's ``meta["trinity_prepared"]``; a second call does nothing and returns 0).
+
+    Raises:
+        ValueError: for ``inner`` other than ``"eager"`` or ``"inductor"``.
+    """
+    if inner not in ("eager", "inductor"):
+        raise ValueError(f"prepare: inner must be 'eager' or 'inductor', got {inner!r}")
     if pair.forward.meta.get("trinity_prepared"):
         return 0
     fill_tuple_vals(pair.forward)
     fill_tuple_vals(pair.backward)
     moved = reorder.hoist_frees(pair.forward) + reorder.hoist_frees(pair.backward)
+    if inner == "inductor":
+        target = pair.forward.meta.get(TARGET_DEVICE_KEY)
+        moved += split_addmm.split_late_addmm(pair.forward, target)
+        moved += split_addmm.split_late_addmm(pair.backward, target)
     pair.forward.meta["trinity_prepared"] = True
     return moved
 
@@ -1267,7 +1281,7 @@ class CompileSession:
         if dumper:
             dumper.graphs("00_partitioned", pair.forward, pair.backward)
         t0 = time.perf_counter()
-        moved = prepare(pair)
+        moved = prepare(pair, opts.inner)
         seconds = {"reorder": time.perf_counter() - t0}
         if dumper and moved:
             dumper.graphs("05_reorder", pair.forward, pair.backward)

@@ -368,8 +368,8 @@ def plan_step(
     base = TrinityOptions.from_user(user, env={})
     t0 = time.perf_counter()
     pair = traced.pair
-    prepare(pair)
-    mark_target_device(pair, device)
+    mark_target_device(pair, device)  # first: prepare's addmm split reads it
+    prepare(pair, inner)
     analysis = analyze_pair(pair, base, device)
     full_state = _OPTIMIZER_STATES[optimizer] * traced.param_bytes
     params = {}

@@ -425,3 +425,46 @@ def test_evicted_tensors_reach_the_backward_on_the_host_under_inductor(case):
     kept = sum(nbytes for _, nbytes, decision in r.decisions if decision == "keep")
     assert sum(saved_on_device.values()) <= kept, (sorted(saved_on_device.values()), r.decisions)
     loss.backward()
+
+
+class TiedLM(torch.nn.Module):
+    """The demo GPT with its head tied to the token embedding and a vocabulary of 4096 (a large
+    vocabulary for its width: the logits, 1024 x 4096 float32, 16 MiB, are the largest tensors),
+    with the loss."""
+
+    def __init__(self):
+        super().__init__()
+        from offload_compiler.models import GPT, GPTConfig
+
+        self.gpt = GPT(GPTConfig(vocab_size=4096, block_size=128, n_layer=2, n_head=4, n_embd=64))
+
+    def forward(self, idx, targets):
+        return torch.nn.functional.cross_entropy(self.gpt(idx).flatten(0, 1), targets.flatten())
+
+
+def _tied_batch():
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randint(0, 4096, (8, 128), generator=gen) for _ in range(2))
+
+
+@pytest.mark.parametrize("budget", ["100%", "90%"])
+def test_tied_head_product_split_from_its_addmm(budget, tmp_path):
+    """A tied head's gradient product (vocabulary x width, 1 MiB) added to the embedding's at the
+    end of the backward: Inductor's addmm pattern would run it there and hold the logits'
+    gradient (1024 x 4096 float32, 16 MiB) through the whole backward. The addmm split
+    (``passes/split_addmm.py``) fences it where the graph computes it: the compiled backward has
+    that fence, gradients equal Inductor's without trinity, and the measured peak is within the
+    plan (and the budget below the unplanned peak)."""
+    sbs = SideBySide(TiedLM, "inductor", budget=budget, on_infeasible="warn", dump_dir=str(tmp_path))
+    batch = _tied_batch()
+    sbs.step(batch)  # losses and gradients within rounding of Inductor's
+    (r,) = sbs.reports()
+    (backward,) = tmp_path.glob("graph_*/05_reorder.backward.py")
+    fences = [line for line in backward.read_text().splitlines() if "torch.ops.trinity.fence.default([], mm" in line]
+    assert len(fences) == 1, backward.read_text()[-3000:]
+    sbs.model.zero_grad(set_to_none=True)
+    resident = list(sbs.model.parameters()) + list(batch)
+    m = measure_peak_device_bytes(lambda: sbs.trinity_step(batch), resident=resident, device="cpu")
+    assert m.peak_bytes <= r.peak_bytes_planned + PEAK_SLACK_BYTES, (m.peak_bytes, r.summary())
+    if budget != "100%":
+        assert r.feasible and m.peak_bytes <= r.budget_bytes + PEAK_SLACK_BYTES, (m.peak_bytes, r.summary())

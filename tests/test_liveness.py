@@ -516,3 +516,47 @@ def test_channels_last_copy_of_an_unsaved_input_is_a_temporary_and_none_of_a_cha
     }
     pair = capture_pair(fn, w, x.contiguous(memory_format=torch.channels_last), s)
     assert set(_layout_copies(liveness.analyze(pair, assume_fusion=True))) == {"forward:primals_1"}
+
+
+def test_split_late_addmm_keeps_a_product_where_the_graph_computes_it():
+    """Inductor's addmm pattern runs ``add(mm(a, b), c)`` at the add, keeping ``a`` allocated up to
+    there (a tied weight's gradient: the head's product made at the start of the backward, added
+    to the embedding's at its end, holds the logits' gradient). ``split_late_addmm`` fences the
+    product (a second reader stops the pattern) when that frees more than the product holds, and
+    liveness then frees ``a`` at the product; not when ``a`` is read after the add anyway, nor
+    when the add follows the product at once."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from offload_compiler.ir.ops import FENCE
+    from offload_compiler.passes.split_addmm import split_late_addmm
+
+    def late(x, b, c):
+        big = x * 2.0  # (256, 512) float32, 512 KiB: freed at the product once split
+        prod = torch.mm(big.t(), b)  # (512, 16), 32 KiB
+        other = torch.tanh(c) * 3.0  # work between the product and the add
+        return torch.ops.aten.add.Tensor(prod, other)
+
+    def read_again(x, b, c):
+        big = x * 2.0
+        prod = torch.mm(big.t(), b)
+        out = torch.ops.aten.add.Tensor(prod, torch.tanh(c) * 3.0)
+        return out, big.sum()  # big is read after the add: nothing to free
+
+    def adjacent(x, b, c):
+        return torch.ops.aten.add.Tensor(torch.mm((x * 2.0).t(), b), c)
+
+    args = (torch.randn(256, 512), torch.randn(256, 16), torch.randn(512, 16))
+    for fn, expect in ((late, 1), (read_again, 0), (adjacent, 0)):
+        gm = make_fx(fn, tracing_mode="fake")(*args)
+        (mm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+        assert liveness.addmm_fused_into(mm) is not None, fn.__name__
+        assert split_late_addmm(gm) == expect, fn.__name__
+        fences = [n for n in gm.graph.nodes if n.target is FENCE]
+        assert len(fences) == expect, fn.__name__
+        if expect:
+            assert fences[0].args == ([], mm) and fences[0].prev is mm
+            assert liveness.addmm_fused_into(mm) is None  # the pattern no longer applies
+            assert split_late_addmm(gm) == 0
+        assert torch.equal(
+            gm(*args)[0] if fn is read_again else gm(*args), (fn(*args)[0] if fn is read_again else fn(*args))
+        )
