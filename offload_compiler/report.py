@@ -46,6 +46,8 @@ class MeasuredCorrection:
         reuse_count: the runs of the pair alive at once in one step that the measured step showed
             and the current plan covers (1: the pair runs once at a time; see
             :class:`~offload_compiler.step_budget.StepReuse`).
+        reserve_bytes: bytes the current plan reserves at every node for what a measured step held
+            beyond the plan with the measured workspace and no op explains (0: none).
     """
 
     first_measured_peak_bytes: int
@@ -55,6 +57,7 @@ class MeasuredCorrection:
     replans: int
     method: str
     reuse_count: int = 1
+    reserve_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -460,6 +463,11 @@ class TrinityReport:
                 + (f"{c.reuse_count} runs per step, " if c.reuse_count > 1 else "")
                 + f"workspace margins at {len(c.margins)} nodes, {format_bytes(c.total_margin_bytes)} in all"
                 + (f" ({where})" if where else "")
+                + (
+                    f", and {format_bytes(c.reserve_bytes)} reserved at every node for allocations no op explains"
+                    if c.reserve_bytes
+                    else ""
+                )
             )
         if self.fallback_reason:
             lines.append(f"  fallback   {self.fallback_reason}")

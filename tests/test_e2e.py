@@ -278,7 +278,10 @@ def test_bf16_autocast(inner):
     # larger than what runs; 60% keeps the budget reachable for both inner compilers.
     sbs = SideBySide(models.GPTLoss, inner, budget="60%")
     batch = models.gpt_batch()
-    for _ in range(2):
+    # Three steps: on a CPU with AMX, oneDNN's bf16 matmuls allocate workspace the table does not
+    # have and hold 76 KiB no op explains; the runtime check plans again after the first step (the
+    # workspace) and the second (that reserve), and the third runs the settled plan.
+    for _ in range(3):
         sbs.sync()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             ref = sbs.ref(*batch)

@@ -597,7 +597,8 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
     :attr:`Buffer.fused`), and so is a matrix product that Inductor's ``addmm`` pattern moves into
     the add reading it (:func:`addmm_fused_into`); the channels-last copies Inductor makes of a
     convolution's inputs and weights are buffers of their own (:func:`layout_copies`). With ``margins`` (workspace measured on this machine, see
-    :mod:`.margins`), a node's workspace is the larger of :data:`_WORKSPACE`'s and the measured one.
+    :mod:`.margins`), a node's workspace is the larger of :data:`_WORKSPACE`'s and the measured one,
+    plus the margins' uniform reserve (:attr:`~.margins.WorkspaceMargins.reserve_bytes`).
 
     The phases, one function each: the joint schedule (:func:`_schedule`), storage keys and their
     union across the saved links (:func:`_storage_keys`), buffer kinds (:func:`_buffer_kinds`),
@@ -640,7 +641,8 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
         saved=tuple(saved),
         device=str(device),
         workspace_bytes=tuple(
-            max(_workspace(n), margins.node_bytes(n)) if margins is not None else _workspace(n) for n in sched.nodes
+            max(_workspace(n), margins.node_bytes(n)) + margins.reserve_bytes if margins is not None else _workspace(n)
+            for n in sched.nodes
         ),
         step_of=sched.step_of,
         save_only_steps=frozenset(sched.node_step[n] for n in save_only),

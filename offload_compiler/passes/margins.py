@@ -89,11 +89,16 @@ class WorkspaceMargins:
             the margins (bytes). Where given, a fraction budget is resolved again from it and
             the later plan's model state (which the runtime check changes when it measures the
             pair running several times per step), instead of taking ``budget_bytes``.
+        reserve_bytes: bytes a measured step held beyond the plan with the measured workspace,
+            which no op's workspace explains (an allocation the plan does not model: seen on a
+            CPU with AMX, where oneDNN's bf16 matmuls hold memory outside their calls); liveness
+            counts it at every node, a uniform reserve (bytes, default 0).
     """
 
     workspace: tuple[tuple[OpKey, int], ...] = ()
     budget_bytes: int | None = None
     unplanned_peak_bytes: int | None = None
+    reserve_bytes: int = 0
     _by_name: dict = field(default=None, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
@@ -121,4 +126,18 @@ class WorkspaceMargins:
         table = dict(self.workspace)
         for k, v in more.items():
             table[k] = max(table.get(k, 0), int(v))
-        return WorkspaceMargins(tuple(sorted(table.items())), self.budget_bytes, self.unplanned_peak_bytes)
+        return WorkspaceMargins(
+            tuple(sorted(table.items())), self.budget_bytes, self.unplanned_peak_bytes, self.reserve_bytes
+        )
+
+    def with_reserve(self, more_bytes: int) -> WorkspaceMargins:
+        """These margins with :attr:`reserve_bytes` raised by ``more_bytes`` (bytes, >= 0).
+
+        Raises:
+            ValueError: for a negative ``more_bytes``.
+        """
+        if more_bytes < 0:
+            raise ValueError(f"with_reserve: more_bytes must be >= 0, got {more_bytes}")
+        return WorkspaceMargins(
+            self.workspace, self.budget_bytes, self.unplanned_peak_bytes, self.reserve_bytes + int(more_bytes)
+        )
