@@ -458,7 +458,7 @@ class TrinityReport:
             top = sorted(c.margins, key=lambda m: -m[2])[:3]
             where = ", ".join(f"{node} ({op}) +{format_bytes(b)}" for node, op, b in top)
             lines.append(
-                f"  corrected  planned {c.replans}x more after measuring {format_bytes(c.first_measured_peak_bytes)} "
+                f"  corrected  replanned {c.replans}x after measuring {format_bytes(c.first_measured_peak_bytes)} "
                 f"(planned {format_bytes(c.first_planned_peak_bytes)}): "
                 + (f"{c.reuse_count} runs per step, " if c.reuse_count > 1 else "")
                 + f"workspace margins at {len(c.margins)} nodes, {format_bytes(c.total_margin_bytes)} in all"
