@@ -367,25 +367,35 @@ def test_channels_last_copies_under_inductor_measured_as_planned():
     assert m.peak_bytes <= r.peak_bytes_planned + PEAK_SLACK_BYTES, (m.peak_bytes, r.summary())
 
 
-class LlamaLoss(torch.nn.Module):
-    """The project's Llama (rotary embeddings applied after the heads are split and transposed,
-    grouped-query attention) at the CPU frontier's width, with the loss."""
+class LMLoss(torch.nn.Module):
+    """A language model (token ids -> logits) with the cross-entropy loss."""
 
-    def __init__(self):
+    def __init__(self, lm: torch.nn.Module):
         super().__init__()
-        from offload_compiler.models import Llama, LlamaConfig
-
-        cfg = LlamaConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=352,
-                          max_seq_len=128)  # fmt: skip
-        self.llama = Llama(cfg)
+        self.lm = lm
 
     def forward(self, idx, targets):
-        return torch.nn.functional.cross_entropy(self.llama(idx).flatten(0, 1), targets.flatten())
+        return torch.nn.functional.cross_entropy(self.lm(idx).flatten(0, 1), targets.flatten())
+
+
+def _llama_lm():
+    """The project's Llama (rotary embeddings applied after the heads are split and transposed,
+    grouped-query attention) at the CPU frontier's width, with the loss."""
+    from offload_compiler.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=352,
+                      max_seq_len=128)  # fmt: skip
+    return LMLoss(Llama(cfg))
+
+
+def _token_batch(vocab: int, batch: int, seq: int = 128):
+    """Token ids and targets, (batch, seq) each, drawn from a fixed seed."""
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(2))
 
 
 def _llama_batch():
-    gen = torch.Generator().manual_seed(0)
-    return tuple(torch.randint(0, 256, (16, 128), generator=gen) for _ in range(2))
+    return _token_batch(256, 16)
 
 
 @pytest.mark.parametrize("case", ["llama", "cnn_batchnorm"])
@@ -402,7 +412,7 @@ def test_evicted_tensors_reach_the_backward_on_the_host_under_inductor(case):
     required strides."""
     from offload_compiler.runtime.pool import live_pool_blocks
 
-    make, batch = {"llama": (LlamaLoss, _llama_batch), "cnn_batchnorm": CASES["cnn_batchnorm"]}[case]
+    make, batch = {"llama": (_llama_lm, _llama_batch), "cnn_batchnorm": CASES["cnn_batchnorm"]}[case]
     batch = batch()
     sbs = SideBySide(make, "inductor", budget=1, on_infeasible="warn", strategy="offload")
     with pytest.warns(UserWarning):
@@ -430,24 +440,13 @@ def test_evicted_tensors_reach_the_backward_on_the_host_under_inductor(case):
     loss.backward()
 
 
-class TiedLM(torch.nn.Module):
+def _tied_lm():
     """The demo GPT with its head tied to the token embedding and a vocabulary of 4096 (a large
     vocabulary for its width: the logits, 1024 x 4096 float32, 16 MiB, are the largest tensors),
     with the loss."""
+    from offload_compiler.models import GPT, GPTConfig
 
-    def __init__(self):
-        super().__init__()
-        from offload_compiler.models import GPT, GPTConfig
-
-        self.gpt = GPT(GPTConfig(vocab_size=4096, block_size=128, n_layer=2, n_head=4, n_embd=64))
-
-    def forward(self, idx, targets):
-        return torch.nn.functional.cross_entropy(self.gpt(idx).flatten(0, 1), targets.flatten())
-
-
-def _tied_batch():
-    gen = torch.Generator().manual_seed(0)
-    return tuple(torch.randint(0, 4096, (8, 128), generator=gen) for _ in range(2))
+    return LMLoss(GPT(GPTConfig(vocab_size=4096, block_size=128, n_layer=2, n_head=4, n_embd=64)))
 
 
 @pytest.mark.parametrize("budget", ["100%", "90%"])
@@ -458,8 +457,8 @@ def test_tied_head_product_split_from_its_addmm(budget, tmp_path):
     (``passes/split_addmm.py``) fences it where the graph computes it: the compiled backward has
     that fence, gradients equal Inductor's without trinity, and the measured peak is within the
     plan (and the budget below the unplanned peak)."""
-    sbs = SideBySide(TiedLM, "inductor", budget=budget, on_infeasible="warn", dump_dir=str(tmp_path))
-    batch = _tied_batch()
+    sbs = SideBySide(_tied_lm, "inductor", budget=budget, on_infeasible="warn", dump_dir=str(tmp_path))
+    batch = _token_batch(4096, 8)
     sbs.step(batch)  # losses and gradients within rounding of Inductor's
     (r,) = sbs.reports()
     (backward,) = tmp_path.glob("graph_*/05_reorder.backward.py")

@@ -36,6 +36,7 @@ __all__ = [
     "hint_int",
     "span_bytes",
     "tensor_span_bytes",
+    "node_span_bytes",
     "plain_tensors",
     "storage_key",
     "node_storages",
@@ -87,6 +88,11 @@ def span_bytes(size: tuple[int, ...], stride: tuple[int, ...], itemsize: int) ->
 def tensor_span_bytes(t: torch.Tensor) -> int:
     """:func:`span_bytes` of a (possibly fake, possibly symbolic) tensor, sizes at their hints."""
     return span_bytes(tuple(hint_int(s) for s in t.shape), tuple(hint_int(s) for s in t.stride()), t.element_size())
+
+
+def node_span_bytes(node: fx.Node) -> int:
+    """Bytes the tensors of ``node.meta["val"]`` span, summed (:func:`tensor_span_bytes`)."""
+    return sum(tensor_span_bytes(t) for t in tensor_vals(node))
 
 
 def plain_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -22,18 +22,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..graph_pair import tensor_vals
-from ..ir.alias import is_view, tensor_span_bytes
+from ..ir.alias import is_view, node_span_bytes
 from ..ir.ops import TRANSFER_OPS
 
 __all__ = ["hoist_frees"]
-
-
-def _bytes(node: fx.Node) -> int:
-    total = 0
-    for t in tensor_vals(node):
-        total += tensor_span_bytes(t)
-    return total
 
 
 def _movable(node: fx.Node) -> bool:
@@ -99,8 +91,8 @@ def hoist_frees(gm: fx.GraphModule) -> int:
             others = [u for u in m.users if u is not n]
             if any(pos[u] > pos[n] or view[u] for u in others):
                 continue
-            freed += _bytes(m)
-        if freed > _bytes(n):
+            freed += node_span_bytes(m)
+        if freed > node_span_bytes(n):
             latest.append(n)
             # n now sits between latest and latest's old successor: a position between theirs
             # (renumbering the whole graph per move made this quadratic on a 70B model's graph).

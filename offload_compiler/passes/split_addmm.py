@@ -30,16 +30,12 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..ir.alias import node_storages, tensor_span_bytes, tensor_vals
+from ..ir.alias import node_span_bytes, node_storages
 from ..ir.meta import NOTE_KEY
 from ..ir.ops import FENCE
 from .liveness import addmm_fused_into
 
 __all__ = ["split_late_addmm"]
-
-
-def _bytes(node: fx.Node) -> int:
-    return sum(tensor_span_bytes(t) for t in tensor_vals(node))
 
 
 def split_late_addmm(gm: fx.GraphModule, device_type: str | None = None) -> int:
@@ -79,8 +75,8 @@ def split_late_addmm(gm: fx.GraphModule, device_type: str | None = None) -> int:
                 seen.add(s)
                 # Fused, the storage lives up to the add; split, up to its last other reader.
                 if max((pos[u] for u in readers[s] if u is not n), default=-1) < pos[add]:
-                    freed += _bytes(owner[s])
-        if freed > _bytes(n):
+                    freed += node_span_bytes(owner[s])
+        if freed > node_span_bytes(n):
             with graph.inserting_after(n):
                 fence = graph.call_function(FENCE, ([], n))
             fence.meta["val"] = None
