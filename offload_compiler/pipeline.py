@@ -50,6 +50,7 @@ from .passes import (
     assign_streams,
     cost_model,
     grad_sync,
+    inline_pointwise,
     insert_recompute,
     insert_transfers,
     liveness,
@@ -352,9 +353,10 @@ def resolve_budget(
 def prepare(pair: GraphPair, inner: str = "eager") -> int:
     """The rewrite every caller runs before planning: ``meta["val"]`` for tuple-valued nodes
     (:func:`~.graph_pair.fill_tuple_vals`), :func:`~.passes.reorder.hoist_frees` on both graphs
-    and, with ``inner="inductor"``, :func:`~.passes.split_addmm.split_late_addmm` on both (for
-    the device in the forward's :data:`~offload_compiler.ir.meta.TARGET_DEVICE_KEY` where set).
-    Returns how many nodes were moved or fenced. Mutates the graphs; runs once per pair (it marks
+    and, with ``inner="inductor"``, :func:`~.passes.split_addmm.split_late_addmm` then
+    :func:`~.passes.inline_pointwise.inline_reused_pointwise` on both (for the device in the
+    forward's :data:`~offload_compiler.ir.meta.TARGET_DEVICE_KEY` where set).
+    Returns how many nodes were moved, fenced or inserted. Mutates the graphs; runs once per pair (it marks
     the forward's ``meta["trinity_prepared"]``; a second call does nothing and returns 0).
 
     Raises:
@@ -371,6 +373,8 @@ def prepare(pair: GraphPair, inner: str = "eager") -> int:
         target = pair.forward.meta.get(TARGET_DEVICE_KEY)
         moved += split_addmm.split_late_addmm(pair.forward, target)
         moved += split_addmm.split_late_addmm(pair.backward, target)
+        moved += inline_pointwise.inline_reused_pointwise(pair.forward, target)
+        moved += inline_pointwise.inline_reused_pointwise(pair.backward, target)
     pair.forward.meta["trinity_prepared"] = True
     return moved
 

@@ -495,8 +495,7 @@ def _is_host_placeholder(node: fx.Node) -> bool:
 
 def _fusible(node: fx.Node, device_type: str | None = None) -> bool:
     """A node Inductor computes inside its only reader's kernel and never allocates: a pointwise
-    op whose only reader is a pointwise op or a reduction (and not an ``add`` that becomes an
-    ``addmm``), or an ``mm`` that Inductor's ``addmm`` pattern fuses into that reader
+    op whose only reader is a pointwise op, a reduction or ``gather`` (:func:`inlining_reader`), or an ``mm`` that Inductor's ``addmm`` pattern fuses into that reader
     (:func:`addmm_fused_into`)."""
     if addmm_fused_into(node, device_type) is not None:
         return True
@@ -507,11 +506,24 @@ def _fusible(node: fx.Node, device_type: str | None = None) -> bool:
     if any(addmm_fused_into(a, device_type) is node for a in node.all_input_nodes):
         return False  # an add that becomes an extern addmm kernel is allocated
     (user,) = node.users
-    if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+    return inlining_reader(user, device_type)
+
+
+_INLINING_READERS = frozenset({torch.ops.aten.gather.default})
+"""Ops other than pointwise ops and reductions that Inductor lowers to a ``Pointwise`` loading
+their input in place (``torch/_inductor/lowering.py``: ``gather``)."""
+
+
+def inlining_reader(node: fx.Node, device_type: str | None = None) -> bool:
+    """Whether Inductor computes a single-reader pointwise input of ``node`` inside ``node``'s
+    kernel: ``node`` is a pointwise op, a reduction or ``gather``, and not an ``add`` that
+    Inductor's ``addmm`` pattern turns into an extern kernel (:func:`addmm_fused_into`)."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
         return False
-    if any(addmm_fused_into(a, device_type) is user for a in user.all_input_nodes):
-        return False  # the reader is an extern addmm kernel, nothing fuses into it
-    return torch.Tag.pointwise in user.target.tags or torch.Tag.reduction in user.target.tags
+    if not (torch.Tag.pointwise in t.tags or torch.Tag.reduction in t.tags or t in _INLINING_READERS):
+        return False
+    return not any(addmm_fused_into(a, device_type) is node for a in node.all_input_nodes)
 
 
 _GPU_DEVICE_TYPES = frozenset({"cuda", "xpu", "mtia"})
