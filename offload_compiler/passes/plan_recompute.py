@@ -877,7 +877,9 @@ def choose(
                         solved_joint = (name, chosen, picked)
                         if name == "solver" and model.dual_bound is not None and np.isfinite(model.dual_bound):
                             # Objective units: seconds / st, st = the step's compute / 1e4 (_build_model).
-                            details["solver_bound_seconds"] = max(0.0, model.dual_bound) * max(float(ce[-1]), 1e-12) / 1e4
+                            details["solver_bound_seconds"] = (
+                                max(0.0, model.dual_bound) * max(float(ce[-1]), 1e-12) / 1e4
+                            )
                     else:
                         solved_rc = (name, chosen)
             except Exception as exc:  # a solver failure must not fail the compile: fall back
@@ -982,28 +984,53 @@ def _fit_by_recompute(
 
 
 def _costs_after(pair, live: Liveness, costs: Costs, live2: Liveness) -> Costs:
-    """The cost model on the rewritten ``pair`` (liveness ``live2``): a node's cost depends on
-    that node alone, so nodes the rewrite kept reuse their figures from ``costs`` (on ``live``)
-    and only the inserted ones are estimated (:func:`.cost_model.node_cost`)."""
+    """The cost model on the rewritten ``pair`` (liveness ``live2``). A node's cost depends on the
+    node, on whether it is fused into its reader and on which of its inputs are fused into it
+    (:func:`.cost_model.node_cost`): a node the rewrite kept, with the same fusion of itself and
+    of its inputs, reuses its figures from ``costs`` (on ``live``; measured op times stay the
+    same); the inserted ones and those whose fusion changed are estimated with ``live2``'s fused
+    nodes, as :func:`.cost_model.estimate` would (a recomputed pointwise chain is one kernel, as
+    its forward original is)."""
     import torch
 
     from .cost_model import node_cost
 
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    fused_before = {
+        (s.graph, s.node) for b in live.buffers if b.fused for s in map(live.steps.__getitem__, _held_steps(live, b))
+    }
+    fused_nodes = frozenset(h for b in live2.buffers if b.fused for h in b.holders)
     secs, flops, nbytes = [], [], []
     nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
     for step, n in zip(live2.steps, nodes):
         old = live.step_of.get((step.graph, step.node))
-        if old is not None and live.steps[old].op == step.op and RECOMPUTE_KEY not in n.meta:
+        same = (
+            old is not None
+            and live.steps[old].op == step.op
+            and RECOMPUTE_KEY not in n.meta
+            and ((step.graph, n.name) in fused_before) == (n in fused_nodes)
+            and all(
+                RECOMPUTE_KEY not in m.meta
+                and (step.graph, m.name) in live.step_of
+                and ((step.graph, m.name) in fused_before) == (m in fused_nodes)
+                for m in n.all_input_nodes
+            )
+        )
+        if same:
             secs.append(costs.step_seconds[old])
             flops.append(costs.step_flops[old])
             nbytes.append(costs.step_bytes[old])
         else:
-            f, b, t = node_cost(n, costs.device, allow_tf32)
+            f, b, t = node_cost(n, costs.device, allow_tf32, fused_nodes)
             secs.append(t)
             flops.append(f)
             nbytes.append(b)
     return replace(costs, step_seconds=tuple(secs), step_flops=tuple(flops), step_bytes=tuple(nbytes))
+
+
+def _held_steps(live: Liveness, b) -> list[int]:
+    """The steps of the nodes holding buffer ``b``."""
+    return [live.step_at(h) for h in b.holders if h in live.node_step]
 
 
 # ------------------------------------------------------------------------------------ all stages
