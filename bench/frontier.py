@@ -350,13 +350,25 @@ def gpu_models() -> list[dict]:
 def _predict_pytorch(traced, device, state_bytes: int) -> dict:
     """Peak (bytes, optimizer state included) and predicted step (seconds: compute only) of a
     traced PyTorch partitioning on ``device``'s figures."""
+    from torch._inductor import config as inductor_config
+
     from offload_compiler.passes import cost_model, liveness
+    from offload_compiler.passes.inline_pointwise import inline_reused_pointwise
     from offload_compiler.pipeline import prepare
     from offload_compiler.plan_cli import mark_target_device
 
     pair = traced.pair
+    first = not pair.forward.meta.get("trinity_prepared")
     prepare(pair)  # the planning passes' graph preparation, once per pair (as plan_step runs it)
     mark_target_device(pair, device)  # planned for a GPU, as plan_step marks its pairs
+    if first:
+        # Plain Inductor computes a reused pointwise value in each reader when it reads at most
+        # realize_reads_threshold (4) buffers: the loss's float32 logits-sized temporaries are
+        # never allocated. The same copies model that here (not the addmm split: plain Inductor
+        # keeps its addmm).
+        target = "cpu" if device.host_is_device else "cuda"
+        for gm in (pair.forward, pair.backward):
+            inline_reused_pointwise(gm, target, max_leaves=inductor_config.realize_reads_threshold)
     live = liveness.analyze(pair, assume_fusion=True)
     costs = cost_model.estimate(pair, live, device)
     return {"peak_bytes": live.peak_bytes + state_bytes, "step_seconds": costs.compute_seconds}
@@ -370,12 +382,12 @@ def gpu_frontier(model: dict, devices=GPU_DEVICES, dtype=torch.bfloat16) -> dict
 
     t0 = time.perf_counter()
     args = (model["batch"], model["seq"], model["vocab"], dtype)
-    base = trace_training_step(model["build"], *args)
+    base = trace_training_step(model["build"], *args, inner="inductor")
     state = 2 * base.param_bytes  # AdamW
     variants = {}
     for f in SAC_FRACTIONS:
         with torch._functorch.config.patch(activation_memory_budget=f):
-            variants[f"sac-{f:g}"] = trace_training_step(model["build"], *args)
+            variants[f"sac-{f:g}"] = trace_training_step(model["build"], *args, inner="inductor")
 
     def tagged():
         m = model["build"]()
@@ -384,10 +396,10 @@ def gpu_frontier(model: dict, devices=GPU_DEVICES, dtype=torch.bfloat16) -> dict
         return m
 
     variants["checkpoint"] = trace_training_step(
-        tagged, *args, joint_pass=_checkpoint_pass(CheckpointPolicy.PREFER_RECOMPUTE)
+        tagged, *args, inner="inductor", joint_pass=_checkpoint_pass(CheckpointPolicy.PREFER_RECOMPUTE)
     )
     variants["full-recompute"] = trace_training_step(
-        tagged, *args, joint_pass=_checkpoint_pass(CheckpointPolicy.MUST_RECOMPUTE)
+        tagged, *args, inner="inductor", joint_pass=_checkpoint_pass(CheckpointPolicy.MUST_RECOMPUTE)
     )
     trace_seconds = time.perf_counter() - t0
     out = {"model": model["name"], "batch": model["batch"], "seq_len": model["seq"], "dtype": str(dtype), "devices": {}}
@@ -455,7 +467,9 @@ def gpu_bound(model: dict, frontier: dict, limit_s: float, device_name: str = "h
     d = frontier["devices"][device_name]
     ckpt = next(r for r in d["trinity"]["auto"]["rows"] if r["budget"] == "checkpoint peak")
     full = d["pytorch"]["full-recompute"]["step_seconds"]
-    base = trace_training_step(model["build"], model["batch"], model["seq"], model["vocab"], torch.bfloat16)
+    base = trace_training_step(
+        model["build"], model["batch"], model["seq"], model["vocab"], torch.bfloat16, inner="inductor"
+    )
     t0 = time.perf_counter()
     res = plan_model(
         model["name"],

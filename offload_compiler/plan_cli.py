@@ -346,7 +346,8 @@ def plan_step(
 
     Raises:
         ValueError: for an unknown optimizer, offload mode, strategy or a malformed budget, naming
-            it; for ``inner="inductor"`` or ``strategy="recompute"`` with parameter offload.
+            it; for ``inner="inductor"`` or ``strategy="recompute"`` with parameter offload; for a
+            ``traced`` step traced for another ``inner``.
     """
     from .pipeline import ModelState, analyze_pair, plan_pair, prepare
 
@@ -355,6 +356,11 @@ def plan_step(
     if offload not in ("activations",) + param_residency.MODES:
         raise ValueError(f"unknown offload {offload!r}; one of activations, {', '.join(param_residency.MODES)}")
     inner = inner or default_inner(offload)
+    if traced.inner != inner:
+        raise ValueError(
+            f"plan_step: the step was traced for inner={traced.inner!r} (its decompositions) but is planned "
+            f"for inner={inner!r}; trace it with inner={inner!r}"
+        )
     if cpu_optimizer not in ("exact", "fastest"):
         raise ValueError(f"cpu_optimizer {cpu_optimizer!r}: expected 'exact' or 'fastest'")
     if strategy == "recompute" and offload != "activations":

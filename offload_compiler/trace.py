@@ -43,6 +43,8 @@ class TracedStep:
         param_positions: forward input positions of the parameters (``nn.Parameter``s: what
             parameter offload moves; buffers are static inputs too but stay resident).
         param_nbytes: storage bytes of each of those parameters (same order).
+        inner: the inner compiler whose decompositions the trace used (``"eager"`` or
+            ``"inductor"``); a plan must assume the same one.
     """
 
     pair: GraphPair
@@ -50,6 +52,7 @@ class TracedStep:
     num_params: int
     param_positions: tuple[int, ...] = ()
     param_nbytes: tuple[int, ...] = ()
+    inner: str = "eager"
 
 
 def _capture_partitioner(box: dict, static: tuple[int, ...], joint_pass=None):
@@ -177,6 +180,7 @@ def trace_step(
         num_params=sum(p.numel() for p in trainable),
         param_positions=tuple(range(n_p)),
         param_nbytes=tuple(p.untyped_storage().nbytes() for p in params),
+        inner=inner,
     )
 
 
