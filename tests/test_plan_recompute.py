@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from offload_compiler.graph_pair import GraphPair
-from offload_compiler.passes import insert_recompute, liveness, plan_recompute, recompute_chains
+from offload_compiler.passes import cost_model, insert_recompute, liveness, plan_recompute, recompute_chains
 
 from ._pass_helpers import analyze, run_pair, spec
 from .graphs import capture_pair
@@ -163,6 +163,68 @@ def test_known_recomputable_ops():
         n = g.call_function(target, args)
         n.meta["val"] = torch.empty(4, 4)
         assert recompute_chains.refusal(n, rng_replay=False) is None, target
+
+
+def test_every_saved_activation_of_a_llama_traced_for_inductor_has_a_chain():
+    """Under Inductor's decompositions the rotary positions are ``prims.iota`` (``arange``
+    decomposed); it is priced as a memory-bound op, so the rotated q/k can be recomputed (they
+    were refused as 'no known cost', which held the Llama preset's per-block checkpoint peak
+    out of recompute's reach)."""
+    from offload_compiler.models import Llama, LlamaConfig
+    from offload_compiler.pipeline import prepare
+    from offload_compiler.trace import trace_training_step
+
+    cfg = LlamaConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, max_seq_len=16)
+    traced = trace_training_step(lambda: Llama(cfg), 2, 16, 64, inner="inductor")
+    pair = traced.pair
+    prepare(pair, "inductor")
+    assert any(n.target is torch.ops.prims.iota.default for n in pair.forward.graph.nodes)
+    live = liveness.analyze(pair, assume_fusion=True)
+    costs = cost_model.estimate(pair, live, spec())
+    analysis = recompute_chains.analyze(pair, live, costs)
+    assert analysis.refused == ()
+    through_iota = [c for c in analysis.chains if any(n.startswith("iota") for n in c.nodes)]
+    assert through_iota, "no chain recomputes the rotary positions"
+    saved = {b.id for b in live.buffers if b.kind is liveness.BufferKind.SAVED and b.on_device and b.saved}
+    assert {c.buffer for c in analysis.chains} == {b for b in saved if live.buffers[b].first_bw_use is not None}
+
+
+def test_a_chain_read_by_its_own_kernel_is_pinned_under_inductor():
+    """The final layer norm's output, recomputed right before the head's weight-gradient ``mm``,
+    shares its normalised input with that layer norm's backward a few kernels later; Inductor
+    would fuse the two and run the chain (and the ``mm``) late. With ``pin`` a fence right
+    before the ``mm`` declares a write on the normalised input, which every later reader then
+    follows (the tied-GPT e2e test measures the difference: 785 KB above the plan without it)."""
+    from offload_compiler.ir.ops import FENCE
+    from offload_compiler.models import GPT, GPTConfig
+    from offload_compiler.pipeline import prepare
+    from offload_compiler.trace import trace_training_step
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    fences = {}
+    for pin in (False, True):
+        pair = trace_training_step(lambda: GPT(cfg), 2, 16, 64, inner="inductor").pair
+        prepare(pair, "inductor")
+        live = liveness.analyze(pair, assume_fusion=True)
+        costs = cost_model.estimate(pair, live, spec())
+        chains = recompute_chains.analyze(pair, live, costs).chains
+        counts = insert_recompute.apply(pair, live, chains, pin=pin)
+        # (the addmm split's fences have no hosts)
+        fences[pin] = [n for n in pair.backward.graph.nodes if n.target is FENCE and n.args[0]]
+        assert counts["pins"] == len(fences[pin])
+    assert fences[False] == []
+    assert any(f.next.target is torch.ops.aten.mm.default for f in fences[True]), fences[True]
+    for f in fences[True]:
+        hosts, out = f.args
+        reader = f.next
+        # its own kernel (mm, addmm, attention), nothing the chain fuses into
+        assert reader.op == "call_function" and not liveness.inlining_reader(reader, "cpu"), reader.format_node()
+        assert out.meta.get(insert_recompute.RECOMPUTE_KEY) is not None
+        order = {n: i for i, n in enumerate(f.graph.nodes)}
+        for h in hosts:
+            later = [u for u in h.users if order[u] > order[f]]
+            assert later, f"{h.name} is declared written but nothing after the fence reads it"
+            assert h.op == "placeholder" or insert_recompute.RECOMPUTE_KEY in h.meta
 
 
 # ---------------------------------------------------------------------------- the planner

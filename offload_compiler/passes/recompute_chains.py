@@ -98,6 +98,7 @@ _MEMORY_BOUND_NAMES = (
     "aten._fused_rms_norm",
     "prims.convert_element_type",
     "prims.inductor_random",
+    "prims.iota",  # arange under Inductor's decompositions
 )
 
 
