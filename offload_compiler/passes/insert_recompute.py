@@ -38,9 +38,11 @@ import torch
 import torch.fx as fx
 
 from ..graph_pair import GraphPair, fake_mode_of
-from ..ir.meta import NOTE_KEY, RECOMPUTE_KEY
+from ..ir.alias import is_view
+from ..ir.meta import NOTE_KEY, RECOMPUTE_KEY, TARGET_DEVICE_KEY
+from ..ir.ops import FENCE
 from .insert_transfers import _set_val
-from .liveness import Liveness
+from .liveness import Liveness, inlining_reader
 from .recompute_chains import RNG_STATE_SUFFIX, Chain
 
 __all__ = ["apply", "RECOMPUTE_KEY", "copy_pair", "copied_node"]
@@ -112,7 +114,7 @@ def _saved_desc(i: int):
     return SavedForBackwardsAOTOutput(i)
 
 
-def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain]) -> dict[str, int]:
+def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain], pin: bool = False) -> dict[str, int]:
     """Recompute ``chains`` in the backward of ``pair`` (in place; see the module docstring) and
     recompile both graphs.
 
@@ -120,15 +122,17 @@ def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain]) -> dict[
         pair: the graphs ``liveness`` (and the chains) were computed on, not rewritten yet.
         liveness: their liveness (the saved views and their placeholders).
         chains: the buffers to recompute (from :func:`.recompute_chains.analyze`).
+        pin: keep each chain where it is placed under Inductor (``inner="inductor"``; see
+            :func:`_pin`). The planner's copy and the real rewrite must pass the same value.
 
     Returns:
-        Counts: ``{"recomputed_buffers", "recompute_nodes", "new_saved", "rng_replays"}``.
+        Counts: ``{"recomputed_buffers", "recompute_nodes", "new_saved", "rng_replays", "pins"}``.
 
     Raises:
         ValueError: if a chain refers to nodes that are not in these graphs (nor in the graphs
             ``pair`` was copied from by :func:`copy_pair`).
     """
-    counts = {"recomputed_buffers": 0, "recompute_nodes": 0, "new_saved": 0, "rng_replays": 0}
+    counts = {"recomputed_buffers": 0, "recompute_nodes": 0, "new_saved": 0, "rng_replays": 0, "pins": 0}
     if not chains:
         return counts
     fw, bw = pair.forward.graph, pair.backward.graph
@@ -312,8 +316,68 @@ def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain]) -> dict[
             new_descs.append(d)
         out_node.meta["desc"] = new_descs
     fw.eliminate_dead_code()
+    if pin:
+        device_type = pair.forward.meta.get(TARGET_DEVICE_KEY)
+        for c in chains:
+            counts["pins"] += _pin(bw, [env[f] for f in saved_fw[c.buffer]], chain_nodes[c.buffer], env, device_type)
     for gm in (pair.forward, pair.backward):
         if not isinstance(gm, _DetachedGraph):
             gm.graph.lint()
         gm.recompile()
     return counts
+
+
+def _pin(bw: fx.Graph, outs: list[fx.Node], fw_chain: list[fx.Node], env: dict, device_type: str | None) -> int:
+    """Keep a recomputed chain where the rewrite put it, under Inductor. Returns 1 if a fence was
+    inserted, else 0.
+
+    Inductor fuses kernels that read the same buffer (horizontal fusion) wherever no dependency
+    forbids it, and a fused kernel runs where its later part would. A chain that rebuilds a
+    layer norm's output just before the weight-gradient ``mm`` reading it shares the normalised
+    input with that layer norm's backward, a few kernels later: Inductor fuses the two, so the
+    chain, and the ``mm`` after it, run late while the buffers between stay allocated (measured
+    on a tied GPT under Inductor: 785 KB above the plan). When the chain's first reader is a
+    kernel of its own (an ``mm``, attention: not a pointwise op, a reduction or ``gather`` that
+    the chain fuses into, :func:`~.liveness.inlining_reader`), a ``trinity::fence(hosts, out)``
+    right before that reader declares a write on ``hosts``, the chain's leaves (saved activations
+    or other chains' recomputed values) that backward nodes after the reader also read: those
+    readers now follow the fence, which follows the chain, so fusing the chain into one of them
+    would make a cycle and Inductor does not. The fence does nothing at run time.
+    """
+    copies = {env[n] for n in fw_chain}
+    order = {n: i for i, n in enumerate(bw.nodes)}
+    readers, stack, seen = [], list(outs), set()
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen or u in copies:
+                continue
+            seen.add(u)
+            if u.op == "call_function" and is_view(u):
+                stack.append(u)
+            else:
+                readers.append(u)
+    if not readers:
+        return 0
+    first = min(readers, key=order.__getitem__)
+    if first.op != "call_function" or first.target is FENCE or inlining_reader(first, device_type):
+        return 0
+    hosts = []
+    for leaf in dict.fromkeys(a for c in copies for a in c.all_input_nodes if a not in copies):
+        if not isinstance(leaf.meta.get("val"), torch.Tensor):
+            continue
+        recomputed = RECOMPUTE_KEY in leaf.meta
+        # A saved activation's placeholder; parameters and inputs (``primals_*``, also those the
+        # rewrite saved) and tangents are never declared written.
+        saved = leaf.op == "placeholder" and not leaf.name.startswith(("primals", "tangents"))
+        if (recomputed or saved) and any(order[u] > order[first] for u in leaf.users if u not in copies):
+            hosts.append(leaf)
+    if not hosts:
+        return 0
+    with bw.inserting_before(first):
+        fence = bw.call_function(FENCE, (hosts, outs[-1]))
+    _set_val(fence, None)
+    fence.meta[NOTE_KEY] = (
+        f"keeps the recomputation of {outs[-1].name} before {first.name} (no horizontal fusion later)"
+    )
+    return 1

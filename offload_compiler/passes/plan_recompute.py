@@ -1192,7 +1192,7 @@ def _plan_joint(
             return (), live, costs, p, None
         chains = tuple(by_buf[b] for b in sorted(chosen))
         copy = insert_recompute.copy_pair(pair)
-        insert_recompute.apply(copy, live, chains)
+        insert_recompute.apply(copy, live, chains, pin=assume_fusion)
         live2 = liveness_pass.analyze(copy, assume_fusion=assume_fusion, margins=margins)
         costs2 = _costs_after(copy, live, costs, live2)
         allowed = None

@@ -102,7 +102,9 @@ class _Deferred:
         # source's): (dtype, size, source strides, destination strides); else a byte copy.
         self.layouts = (src.dtype, tuple(src.shape), tuple(src.stride()), tuple(dst.stride())) if elementwise else None
         self.nbytes = nbytes  # the destination's span; the source's, for a byte copy
-        self.src_nbytes = span_bytes(tuple(src.shape), tuple(src.stride()), src.element_size()) if elementwise else nbytes
+        self.src_nbytes = (
+            span_bytes(tuple(src.shape), tuple(src.stride()), src.element_size()) if elementwise else nbytes
+        )
         self.done = False
         self.lock = threading.Lock()
 
