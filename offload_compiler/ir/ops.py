@@ -34,7 +34,10 @@ wait cannot sink later either, where it would keep the evicted storage alive.
 * ``trinity::fence(Tensor(a!)[] hosts, Tensor reader) -> ()``: does nothing at run time. It orders
   a forward reader of an evicted activation before that activation's ``evict_wait`` (both write
   ``hosts``) and makes Inductor materialise the reader there, instead of inlining it into a later
-  kernel that would read the evicted storage after the point where the plan frees it.
+  kernel that would read the evicted storage after the point where the plan frees it. The same
+  op keeps an ``mm`` from Inductor's ``addmm`` pattern (``hosts`` empty: ``passes/split_addmm.py``)
+  and keeps a recomputed chain before its reader (``hosts`` its leaves read later:
+  ``passes/insert_recompute.py``).
 
 Stream ops (multi-stream compute, inserted by ``passes/assign_streams.py``; ``stream`` is an index
 into the runtime's :class:`~offload_compiler.runtime.streams.ComputeStreams`, 0 = the stream that

@@ -16,11 +16,15 @@ For each recomputed buffer (a :class:`~.recompute_chains.Chain`), in place:
   ``run_and_save_rng_state(op, ...)``, which returns the generator state it ran with (a new saved
   value, ``<node>_rng_state``) and the op's result; the backward copy is
   ``run_with_rng_state(state, op, ...)`` (``torch._prims.rng_prims``).
+* under Inductor (``pin``), a chain whose first reader is a kernel of its own (an ``mm``,
+  attention) is kept there by a ``trinity::fence`` right before that reader (:func:`_pin`):
+  Inductor would otherwise fuse the chain into a later kernel that reads the same input.
 
 The chains and the liveness carry the nodes they are about (:mod:`offload_compiler.ir.refs`);
 names matter only where the partitioner's convention binds a new saved value's backward
 placeholder to its forward node (the same name). Inserted nodes are recognised by
-``node.meta["trinity_recompute"]``.
+``node.meta["trinity_recompute"]``; the pin's fences by target
+(:data:`~offload_compiler.ir.ops.FENCE`, with ``hosts``), their ``meta["val"]`` ``None``.
 
 Reads ``node.meta["val"]``. Writes, on inserted nodes: ``node.meta["val"]`` (the forward's fake
 values, as the partitioner does for the nodes it recomputes), ``node.meta["tensor_meta"]``,
