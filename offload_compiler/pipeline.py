@@ -638,7 +638,7 @@ def _insert_recompute(ctx: RewriteContext, plan: PairPlan) -> PairPlan | None:
     joint = plan.joint
     if joint is None or not joint.chains:
         return None
-    insert_recompute.apply(ctx.pair, joint.source_liveness, joint.chains, pin=ctx.session.options.inner == "inductor")
+    insert_recompute.apply(ctx.pair, joint.source_liveness, joint.chains, pin=joint.pin)
     fw, bw = ctx.pair.forward.graph.nodes, ctx.pair.backward.graph.nodes
     if (tuple(n.name for n in fw), tuple(n.name for n in bw)) != joint.rewritten_names:
         raise RuntimeError(

@@ -235,6 +235,8 @@ class JointPlan:
         plan: the working-window plan on them (evictions, peak, predicted step).
         rewritten_names: forward and backward node names after the rewrite (to check that the
             rewrite of the real graphs matches the copy this plan was made on).
+        pin: the ``pin`` the copy was rewritten with (planned for Inductor); the real rewrite
+            passes the same.
     """
 
     recompute: RecomputePlan
@@ -244,6 +246,7 @@ class JointPlan:
     costs: Costs
     plan: Plan
     rewritten_names: tuple[tuple[str, ...], tuple[str, ...]] = field(default=((), ()), repr=False)
+    pin: bool = False
 
 
 # ------------------------------------------------------------------------------------ the view
@@ -1252,7 +1255,7 @@ def _plan_joint(
         lowest_reachable_peak_bytes=lowest,
         **common,
     )
-    return JointPlan(rp, chains, live, live2, costs2, the_plan, names or ((), ()))
+    return JointPlan(rp, chains, live, live2, costs2, the_plan, names or ((), ()), pin=assume_fusion)
 
 
 def summary(rp: RecomputePlan) -> dict:
