@@ -231,7 +231,7 @@ def estimate(pair: GraphPair, liveness: Liveness, spec: DeviceSpec, pinned: bool
             f"cost model: the graphs have {len(nodes)} nodes but the liveness has {liveness.num_steps} "
             "steps; run liveness on the same graphs"
         )
-    fused = frozenset(h for b in liveness.buffers if b.fused for h in b.holders)
+    fused = liveness.fused_holders()
     flops, nbytes, seconds = [], [], []
     for n in nodes:
         f, b, s = node_cost(n, spec, allow_tf32, fused)

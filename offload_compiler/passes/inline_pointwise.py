@@ -53,7 +53,7 @@ import torch.fx as fx
 from ..graph_pair import fake_mode_of
 from ..ir.alias import node_span_bytes, node_storages
 from ..ir.meta import NOTE_KEY
-from .liveness import addmm_fused_into, inlining_reader
+from .liveness import becomes_addmm, inlining_reader
 
 __all__ = ["inline_reused_pointwise", "MAX_READERS", "MAX_LEAVES"]
 
@@ -90,11 +90,6 @@ def _pointwise(node: fx.Node) -> bool:
     )
 
 
-def _addmm_add(node: fx.Node, device_type: str | None) -> bool:
-    """An ``add`` that Inductor's ``addmm`` pattern turns into an extern kernel."""
-    return any(addmm_fused_into(a, device_type) is node for a in node.all_input_nodes)
-
-
 class _Env(dict):
     """Original node -> its copy; ``get_or_same`` maps an argument of a copied node."""
 
@@ -105,7 +100,7 @@ class _Env(dict):
 def _kernel_end(node: fx.Node, device_type: str | None) -> fx.Node:
     """The node whose kernel computes ``node``: ``node``, or the end of the chain of single-reader
     pointwise nodes it is fused into."""
-    while _pointwise(node) and len(node.users) == 1 and not _addmm_add(node, device_type):
+    while _pointwise(node) and len(node.users) == 1 and not becomes_addmm(node, device_type):
         (user,) = node.users
         if not inlining_reader(user, device_type):
             break
@@ -120,7 +115,7 @@ def _chain(node: fx.Node, device_type: str | None) -> list[fx.Node]:
 
     def visit(n: fx.Node) -> None:
         for m in n.all_input_nodes:
-            if _pointwise(m) and len(m.users) == 1 and not _addmm_add(m, device_type) and m not in out:
+            if _pointwise(m) and len(m.users) == 1 and not becomes_addmm(m, device_type) and m not in out:
                 visit(m)
         out.append(n)
 
@@ -161,7 +156,7 @@ def inline_reused_pointwise(gm: fx.GraphModule, device_type: str | None = None, 
         if not _pointwise(n) or not 2 <= len(n.users) <= MAX_READERS:
             continue
         dev = device_type or n.meta["val"].device.type
-        if _addmm_add(n, dev) or not all(inlining_reader(u, dev) for u in n.users):
+        if becomes_addmm(n, dev) or not all(inlining_reader(u, dev) for u in n.users):
             continue
         chain = _chain(n, dev)
         if dev == "cpu" and any(m.target in _CPU_HEAVY for m in chain):

@@ -236,6 +236,10 @@ class Liveness:
             live += np.asarray(self.workspace_bytes, dtype=np.int64)
         return live
 
+    def fused_holders(self) -> frozenset:
+        """The nodes holding a buffer Inductor fuses into its reader (``Buffer.fused``)."""
+        return frozenset(h for b in self.buffers if b.fused for h in b.holders)
+
     @property
     def peak_bytes(self) -> int:
         return int(self._live_bytes.max()) if self.num_steps else 0
@@ -495,15 +499,15 @@ def _is_host_placeholder(node: fx.Node) -> bool:
 
 def _fusible(node: fx.Node, device_type: str | None = None) -> bool:
     """A node Inductor computes inside its only reader's kernel and never allocates: a pointwise
-    op whose only reader is a pointwise op, a reduction or ``gather`` (:func:`inlining_reader`), or an ``mm`` that Inductor's ``addmm`` pattern fuses into that reader
-    (:func:`addmm_fused_into`)."""
+    op whose only reader is a pointwise op, a reduction or ``gather`` (:func:`inlining_reader`),
+    or an ``mm`` that Inductor's ``addmm`` pattern fuses into that reader (:func:`addmm_fused_into`)."""
     if addmm_fused_into(node, device_type) is not None:
         return True
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     if torch.Tag.pointwise not in node.target.tags or len(node.users) != 1:
         return False
-    if any(addmm_fused_into(a, device_type) is node for a in node.all_input_nodes):
+    if becomes_addmm(node, device_type):
         return False  # an add that becomes an extern addmm kernel is allocated
     (user,) = node.users
     return inlining_reader(user, device_type)
@@ -523,7 +527,13 @@ def inlining_reader(node: fx.Node, device_type: str | None = None) -> bool:
         return False
     if not (torch.Tag.pointwise in t.tags or torch.Tag.reduction in t.tags or t in _INLINING_READERS):
         return False
-    return not any(addmm_fused_into(a, device_type) is node for a in node.all_input_nodes)
+    return not becomes_addmm(node, device_type)
+
+
+def becomes_addmm(node: fx.Node, device_type: str | None = None) -> bool:
+    """Whether ``node`` is the ``add`` that Inductor's ``addmm`` pattern turns into an extern
+    ``addmm`` kernel with one of its inputs (:func:`addmm_fused_into`)."""
+    return any(addmm_fused_into(a, device_type) is node for a in node.all_input_nodes)
 
 
 _GPU_DEVICE_TYPES = frozenset({"cuda", "xpu", "mtia"})

@@ -999,10 +999,9 @@ def _costs_after(pair, live: Liveness, costs: Costs, live2: Liveness) -> Costs:
     from .cost_model import node_cost
 
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
-    fused_before = {
-        (s.graph, s.node) for b in live.buffers if b.fused for s in map(live.steps.__getitem__, _held_steps(live, b))
-    }
-    fused_nodes = frozenset(h for b in live2.buffers if b.fused for h in b.holders)
+    # By (graph, name): ``live`` holds the graphs before the rewrite, these nodes are their copies.
+    fused_before = {(live.steps[live.step_at(h)].graph, h.name) for h in live.fused_holders() if h in live.node_step}
+    fused_nodes = live2.fused_holders()
     secs, flops, nbytes = [], [], []
     nodes = list(pair.forward.graph.nodes) + list(pair.backward.graph.nodes)
     for step, n in zip(live2.steps, nodes):
@@ -1029,11 +1028,6 @@ def _costs_after(pair, live: Liveness, costs: Costs, live2: Liveness) -> Costs:
             flops.append(f)
             nbytes.append(b)
     return replace(costs, step_seconds=tuple(secs), step_flops=tuple(flops), step_bytes=tuple(nbytes))
-
-
-def _held_steps(live: Liveness, b) -> list[int]:
-    """The steps of the nodes holding buffer ``b``."""
-    return [live.step_at(h) for h in b.holders if h in live.node_step]
 
 
 # ------------------------------------------------------------------------------------ all stages
