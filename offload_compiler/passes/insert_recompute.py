@@ -46,7 +46,7 @@ from ..ir.alias import is_view
 from ..ir.meta import NOTE_KEY, RECOMPUTE_KEY, TARGET_DEVICE_KEY
 from ..ir.ops import FENCE
 from .insert_transfers import _set_val
-from .liveness import Liveness, inlining_reader
+from .liveness import BufferKind, Liveness, inlining_reader
 from .recompute_chains import RNG_STATE_SUFFIX, Chain
 
 __all__ = ["apply", "RECOMPUTE_KEY", "copy_pair", "copied_node"]
@@ -322,8 +322,17 @@ def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain], pin: boo
     fw.eliminate_dead_code()
     if pin:
         device_type = pair.forward.meta.get(TARGET_DEVICE_KEY)
+        # The backward placeholders of saved activations the chains read (not parameters, their
+        # saved views or inputs: never declared written).
+        activations = {
+            bw_of[here(leaf.fw_ref, fw, "leaf")]
+            for c in chains
+            for leaf in c.leaves
+            if leaf.buffer is not None and liveness.buffers[leaf.buffer].kind is BufferKind.SAVED
+        }
         for c in chains:
-            counts["pins"] += _pin(bw, [env[f] for f in saved_fw[c.buffer]], chain_nodes[c.buffer], env, device_type)
+            outs = [env[f] for f in saved_fw[c.buffer]]
+            counts["pins"] += _pin(bw, outs, chain_nodes[c.buffer], env, activations, device_type)
     for gm in (pair.forward, pair.backward):
         if not isinstance(gm, _DetachedGraph):
             gm.graph.lint()
@@ -331,7 +340,9 @@ def apply(pair: GraphPair, liveness: Liveness, chains: Sequence[Chain], pin: boo
     return counts
 
 
-def _pin(bw: fx.Graph, outs: list[fx.Node], fw_chain: list[fx.Node], env: dict, device_type: str | None) -> int:
+def _pin(
+    bw: fx.Graph, outs: list[fx.Node], fw_chain: list[fx.Node], env: dict, activations: set, device_type: str | None
+) -> int:
     """Keep a recomputed chain where the rewrite put it, under Inductor. Returns 1 if a fence was
     inserted, else 0.
 
@@ -343,8 +354,9 @@ def _pin(bw: fx.Graph, outs: list[fx.Node], fw_chain: list[fx.Node], env: dict, 
     on a tied GPT under Inductor: 785 KB above the plan). When the chain's first reader is a
     kernel of its own (an ``mm``, attention: not a pointwise op, a reduction or ``gather`` that
     the chain fuses into, :func:`~.liveness.inlining_reader`), a ``trinity::fence(hosts, out)``
-    right before that reader declares a write on ``hosts``, the chain's leaves (saved activations
-    or other chains' recomputed values) that backward nodes after the reader also read: those
+    right before that reader declares a write on ``hosts``, the chain's leaves (saved activations'
+    placeholders, ``activations``, or other chains' recomputed values) that backward nodes after
+    the reader also read: those
     readers now follow the fence, which follows the chain, so fusing the chain into one of them
     would make a cycle and Inductor does not. The fence does nothing at run time.
     """
@@ -370,11 +382,9 @@ def _pin(bw: fx.Graph, outs: list[fx.Node], fw_chain: list[fx.Node], env: dict, 
     for leaf in dict.fromkeys(a for c in copies for a in c.all_input_nodes if a not in copies):
         if not isinstance(leaf.meta.get("val"), torch.Tensor):
             continue
-        recomputed = RECOMPUTE_KEY in leaf.meta
-        # A saved activation's placeholder; parameters and inputs (``primals_*``, also those the
-        # rewrite saved) and tangents are never declared written.
-        saved = leaf.op == "placeholder" and not leaf.name.startswith(("primals", "tangents"))
-        if (recomputed or saved) and any(order[u] > order[first] for u in leaf.users if u not in copies):
+        if (RECOMPUTE_KEY in leaf.meta or leaf in activations) and any(
+            order[u] > order[first] for u in leaf.users if u not in copies
+        ):
             hosts.append(leaf)
     if not hosts:
         return 0
