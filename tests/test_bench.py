@@ -300,3 +300,28 @@ def test_frontier_judges_an_infeasible_point_against_its_planned_lowest_peak():
     assert out["all_met"]
     rows[1]["within_planned_lowest_peak"] = False
     assert not frontier.cpu_targets([{"model": "gpt", "rows": rows}])["all_met"]
+
+
+def test_frontier_repeat_summary_lists_every_repeat_and_their_median():
+    from bench import frontier
+
+    def run(rep, ratio, load):
+        rows = [{"key": "trinity-auto-50%", "ok": True, "ratio": ratio, "other_load": load},
+                {"key": "trinity-offload-50%", "ok": False, "error": "boom"}]  # fmt: skip
+        return {"model": "llama", "repeat": rep, "rows": rows}
+
+    results = [run(0, 1.12, 0.01), run(1, 1.04, 0.0), run(2, 1.07, 0.2)]
+    out = frontier.repeat_summary(results)
+    assert out == {
+        "llama": {
+            "trinity-auto-50%": {"ratios": [1.12, 1.04, 1.07], "other_load": [0.01, 0.0, 0.2], "median_ratio": 1.07}
+        }
+    }
+    checks = frontier.cpu_targets(results)["checks"]
+    assert [(c["repeat"], c["met"], c["other_load"]) for c in checks] == [
+        (0, False, 0.01),
+        (1, True, 0.0),
+        (2, True, 0.2),
+    ]
+    with pytest.raises(SystemExit):
+        frontier.main(["--cpu", "--repeats", "3"])  # --repeats needs --only
