@@ -14,7 +14,13 @@ from torch._inductor.codegen import cpp
 from torch._inductor.utils import run_and_get_code
 
 import offload_compiler  # noqa: F401  (the trinity backend)
-from offload_compiler.inductor_fixes import TILE2D_ATOMIC_ADD_TAG, cpu_codegen_fixes, tile2d_atomic_add_needs_fix
+from offload_compiler.inductor_fixes import (
+    KERNEL_PER_NODE_TAG,
+    TILE2D_ATOMIC_ADD_TAG,
+    cpu_codegen_fixes,
+    kernel_per_node_available,
+    tile2d_atomic_add_needs_fix,
+)
 
 needs_fix = pytest.mark.skipif(not tile2d_atomic_add_needs_fix(), reason="this torch's C++ codegen has no such bug")
 
@@ -64,6 +70,40 @@ def test_installed_only_for_cpu_and_always_restored():
             raise RuntimeError("compile failed")
     assert cpp.CppKernelProxy.tile2d_kernel_cls is original
     assert torch.compiler.config.cache_key_tag == tag
+
+
+def test_kernel_group_split_where_buffers_die_only_inside_trinity_compiles():
+    """While trinity compiles a CPU graph, the C++ scheduling emits its kernel group where 64 KiB
+    or more would be freed, and frees them there: here the two 256 KiB inputs after the kernel
+    that reads them last, before the next kernel's call. Outside, Inductor emits one function."""
+    flush = cpp.CppScheduling.ready_to_flush
+    tag = torch.compiler.config.cache_key_tag
+
+    def f(x, y):
+        a = x.sin() * y
+        return a.sum(0).sum() + a.sum(1).sum() + (y.cos() * 3).sum(0).sum()
+
+    x, y = torch.randn(2048, 32), torch.randn(2048, 32)
+    torch._dynamo.reset()
+    with inductor_config.patch(fx_graph_cache=False):
+        _, (plain,) = run_and_get_code(torch.compile(f, backend="inductor"), x, y)
+        torch._dynamo.reset()
+        with cpu_codegen_fixes(torch.device("cpu")):
+            assert (cpp.CppScheduling.ready_to_flush is not flush) == kernel_per_node_available()
+            assert (KERNEL_PER_NODE_TAG in (torch.compiler.config.cache_key_tag or "")) == kernel_per_node_available()
+            _, (split,) = run_and_get_code(torch.compile(f, backend="inductor"), x, y)
+    torch._dynamo.reset()
+    assert cpp.CppScheduling.ready_to_flush is flush
+    assert torch.compiler.config.cache_key_tag == tag
+
+    def calls(code):
+        return [m.start() for m in re.finditer(r"^\s+cpp_fused_\w+\(", code, flags=re.M)]
+
+    assert len(calls(plain)) == 1, plain
+    if kernel_per_node_available():
+        first, second = calls(split)
+        assert first < split.index("del arg0_1") < second, split
+        assert first < split.index("del arg1_1") < second, split
 
 
 @needs_fix
