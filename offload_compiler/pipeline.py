@@ -1414,6 +1414,7 @@ class CompileSession:
                 opts.on_infeasible,
                 unplanned_peak_bytes=the_plan.liveness.peak_bytes,
                 reach_override=reach,
+                strategy=opts.strategy,
             )
             message += plan_recompute.infeasible_note(joint.recompute, outside_bytes if in_step else 0)
             if in_step and self.step is not None and any(k != self.step.key for k in self.step.ledger.keys()):
