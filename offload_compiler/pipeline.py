@@ -45,7 +45,7 @@ from .dump import GraphDumper
 from .graph_pair import GraphPair, fill_tuple_vals
 from .ir.meta import TARGET_DEVICE_KEY
 from .ir.refs import plain_dict
-from .options import TrinityOptions
+from .options import TrinityOptions, format_bytes
 from .passes import (
     assign_streams,
     cost_model,
@@ -283,6 +283,8 @@ class PairPlan:
             bytes, ``activations.reuse_held_bytes``): held beside the last run, like
             :attr:`ModelState.held_bytes`; 0 with one run.
         reuse_held_unplanned_bytes: the same with nothing offloaded.
+        budget_base_bytes: for a percentage budget, the bytes it is a fraction of
+            (:func:`budget_base`: :attr:`step_budget_bytes` is that fraction of them); else ``None``.
     """
 
     model_state: ModelState
@@ -304,6 +306,19 @@ class PairPlan:
     grad_sync: dict | None = None
     reuse_held_bytes: int = 0
     reuse_held_unplanned_bytes: int = 0
+    budget_base_bytes: int | None = None
+
+
+def budget_base(live: liveness.Liveness, model_state: ModelState, own_peak_bytes: int | None = None) -> int:
+    """The bytes a percentage ``memory_budget`` is a fraction of (:func:`resolve_budget`): the
+    step's peak without offloading as this pair sees it."""
+    own = (
+        (live.peak_bytes if own_peak_bytes is None else own_peak_bytes)
+        + model_state.optimizer_state_bytes
+        + model_state.held_unplanned_bytes
+        + (model_state.reuse_count - 1) * kept_saved_bytes(live, set())
+    )
+    return max(own, model_state.step_unplanned_peak_bytes)
 
 
 def resolve_budget(
@@ -315,8 +330,8 @@ def resolve_budget(
     it through :func:`plan_pair`):
 
     * bytes: as given;
-    * a fraction: of the step's peak without offloading, the pair's (``own_peak_bytes``, default
-      ``live.peak_bytes``) plus ``model_state.optimizer_state_bytes``, what the step's other
+    * a fraction: of the step's peak without offloading (:func:`budget_base`), the pair's
+      (``own_peak_bytes``, default ``live.peak_bytes``) plus ``model_state.optimizer_state_bytes``, what the step's other
       pairs hold unplanned (``held_unplanned_bytes``) and, with ``reuse_count`` N > 1, N - 1
       runs' saved activations kept across the forward/backward boundary, or the other pairs'
       largest (``step_unplanned_peak_bytes``);
@@ -329,13 +344,7 @@ def resolve_budget(
     if budget.kind == "bytes":
         return int(budget.value)
     if budget.kind == "fraction":
-        own = (
-            (live.peak_bytes if own_peak_bytes is None else own_peak_bytes)
-            + model_state.optimizer_state_bytes
-            + model_state.held_unplanned_bytes
-            + (model_state.reuse_count - 1) * kept_saved_bytes(live, set())
-        )
-        return int(budget.value * max(own, model_state.step_unplanned_peak_bytes))
+        return int(budget.value * budget_base(live, model_state, own_peak_bytes))
     if budget.kind == "none":
         return None
     device = torch.device(live.device)
@@ -478,10 +487,14 @@ def plan_pair(
     analysis = analysis or analyze_pair(pair, options, spec, margins)
     live, costs = analysis.liveness, analysis.costs
     seconds = dict(analysis.seconds)
+    base = None
     if margins is None:
         step_budget = resolve_budget(options, live, ms)
+        if options.memory_budget.kind == "fraction":
+            base = budget_base(live, ms)
     elif options.memory_budget.kind == "fraction" and margins.unplanned_peak_bytes is not None:
         step_budget = resolve_budget(options, live, ms, own_peak_bytes=margins.unplanned_peak_bytes)
+        base = budget_base(live, ms, margins.unplanned_peak_bytes)
     else:
         step_budget = margins.budget_bytes
     budget = None if step_budget is None else step_budget - ms.resident_bytes
@@ -580,6 +593,7 @@ def plan_pair(
         costs=costs,
         step_budget_bytes=step_budget,
         budget_bytes=budget,
+        budget_base_bytes=base,
         residency=residency,
         activations=act,
         predictions=predictions,
@@ -1406,25 +1420,55 @@ class CompileSession:
                     lowest_reachable_peak_bytes=the_plan.predictions.lowest_reachable_peak_bytes,
                     peak_bytes_unplanned=the_plan.predictions.unplanned_peak_bytes,
                 )
+            # A percentage names the bytes it is a fraction of (with held gradients or other
+            # pairs, the step's, not this graph's own unplanned peak).
+            request = opts.memory_budget.describe()
+            base = the_plan.budget_base_bytes
+            if base is not None:
+                whose = (
+                    "this graph's" if not in_step and base == the_plan.liveness.peak_bytes else "the training step's"
+                )
+                request = (
+                    f"{opts.memory_budget.value * 100:g}% of {whose} unplanned peak {format_bytes(base)} ({base} bytes)"
+                )
             message = plan_window.describe_infeasible(
                 described,
                 view,
-                opts.memory_budget.describe(),
+                request,
                 opts.min_offload_bytes,
                 opts.on_infeasible,
                 unplanned_peak_bytes=the_plan.liveness.peak_bytes,
                 reach_override=reach,
+                strategy=opts.strategy,
             )
             message += plan_recompute.infeasible_note(joint.recompute, outside_bytes if in_step else 0)
             if in_step and self.step is not None and any(k != self.step.key for k in self.step.ledger.keys()):
                 # This pair's new plan is not in the ledger yet: the summary lists the step's
                 # earlier pairs (and, planned again after the step compiled, this pair's old plan).
+                before = self.step.ledger.report()
                 head = (
-                    "The step as planned before this replan: "
+                    "The step as planned before this replan"
                     if self.step.ledger.has_later(self.step.key)
-                    else "The step's pairs compiled before this one: "
+                    else "The step's pairs compiled before this one"
                 )
-                message += "\n" + head + self.step.ledger.report().summary()
+                if (
+                    base is not None
+                    and before.budget_bytes is not None
+                    and before.budget_bytes != the_plan.step_budget_bytes
+                ):
+                    # The same percentage of the smaller step that the summary describes (without
+                    # what this pair holds now, such as gradients from an earlier backward).
+                    pct = f"{opts.memory_budget.value * 100:g}%"
+                    then = (
+                        f"{pct} of the step's unplanned peak as it was then, {before.unplanned_peak_bytes} bytes, = "
+                        if int(opts.memory_budget.value * before.unplanned_peak_bytes) == before.budget_bytes
+                        else ""
+                    )
+                    head += (
+                        f" (its budget then: {then}{before.budget_bytes} bytes; now {pct} of {base} bytes = "
+                        f"{the_plan.step_budget_bytes} bytes)"
+                    )
+                message += "\n" + head + ": " + before.summary()
             if self._reuse_defers():
                 # A block graph's percentage is provisional until the first step shows its runs.
                 log.info("%s (provisional: the first step's check counts the graph's runs per step)", message)

@@ -40,9 +40,12 @@ at most :data:`MAX_REPLANS` replans. A measured peak above a budget the plan met
 that no op's workspace explains (an allocation the plan does not model: on a CPU with AMX,
 oneDNN's bf16 matmuls held 76 KiB outside their calls on the bf16 GPT block) is planned again with
 those bytes as a reserve at every node (:attr:`~offload_compiler.passes.margins.WorkspaceMargins.reserve_bytes`),
-within the same replan limit; where the reserve makes the budget unreachable (a ``retain_graph``
-backward keeps every saved tensor to its end, which no reserve fixes) the plan stays and the
-check warns, as it does once the replans are spent.
+within the same replan limit; where the reserve makes the budget unreachable the plan stays and
+the check warns, as it does once the replans are spent. A measured backward run with
+``retain_graph=True`` (the autograd engine's flag for the running backward, read in the backward
+node's pre-hook: :func:`_backward_keeps_graph`) is not replanned for such bytes: autograd then keeps
+every saved tensor of the graph until the graph is freed, not to its last use in the backward as
+the plan counts, which no reserve fixes; the check warns, saying so.
 
 **Runs per step.** The same compiled pair can run several times before its first backward: a
 block graph that identical blocks run (FSDP2's per-block compile, ``block.compile()``: ``F1 .. FN
@@ -224,6 +227,9 @@ class StepMeasurement:
         unexplained_bytes: ``peak_bytes`` less ``predicted_with_margins_bytes`` (0 if below).
         num_allocations / num_ops: allocation events and op calls seen (a check that it worked).
         method: ``"cpu-allocator-trace"`` or ``"cuda-allocator-trace"``.
+        retain_graph: whether the measured backward ran with ``retain_graph=True`` (or
+            ``create_graph=True``, which implies it): its saved tensors stayed alive to its end
+            (``None``: not known, see :func:`_backward_keeps_graph`).
     """
 
     peak_bytes: int
@@ -235,6 +241,7 @@ class StepMeasurement:
     num_allocations: int
     num_ops: int
     method: str
+    retain_graph: bool | None = None
 
 
 # ------------------------------------------------------------------------------ the trace
@@ -280,6 +287,7 @@ class _Trace:
         self.ops: list[tuple[OpKey, int, int]] = []  # (measured key, transient bytes, bytes held at its end)
         self.phases: list[str] = []
         self.valid = True
+        self.retain_graph: bool | None = None  # the backward's retain_graph (_backward_keeps_graph)
         self._open: Any = None
         self._open_thread: int | None = None
         self._cuda_before = 0
@@ -348,6 +356,18 @@ class _Trace:
             stack.extend(node.children)
 
 
+def _backward_keeps_graph() -> bool | None:
+    """Whether the backward running now (called from a backward hook) was called with
+    ``retain_graph=True`` (or ``create_graph=True``, which implies it): autograd then keeps every
+    node's saved tensors until the graph is freed instead of freeing them as it goes (AOTAutograd's
+    compiled backward reads the same flag, as ``saved_tensors_use_once``). ``None`` where this
+    torch does not expose it."""
+    try:
+        return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+    except Exception:  # noqa: BLE001  (the check must never break a backward)
+        return None
+
+
 def analyze(trace: _Trace, planned: PlannedSteps) -> StepMeasurement:
     """The :class:`StepMeasurement` of a finished ``trace`` against the ``planned`` accounting.
 
@@ -402,6 +422,7 @@ def analyze(trace: _Trace, planned: PlannedSteps) -> StepMeasurement:
         num_allocations=len(trace.allocations),
         num_ops=len(trace.ops),
         method=f"{trace.device.type}-allocator-trace",
+        retain_graph=trace.retain_graph,
     )
 
 
@@ -878,6 +899,7 @@ class CheckedCompile:
             if not (measure_step_enabled() and trace.valid):
                 trace.valid = False
                 return None
+            trace.retain_graph = _backward_keeps_graph()
             try:
                 trace.start("backward")
             except Exception as exc:  # the check must never break a backward
@@ -969,9 +991,16 @@ class CheckedCompile:
             reuse_due = more or fewer
             can_replan = self._mode == "replan" and self._recompile is not None and self._replans < MAX_REPLANS
             # Over a budget the plan met on paper by bytes no op's workspace explains (an
-            # allocation the plan does not model): plan again with them as a reserve at every node.
+            # allocation the plan does not model): plan again with them as a reserve at every node,
+            # unless the backward ran with retain_graph=True: its saved tensors then stay alive to
+            # its end, which no reserve fixes (warned about below).
+            retained = m.retain_graph is True and m.unexplained_bytes >= MIN_TRANSIENT_BYTES
             unexplained = (
-                over and not explained and own_planned <= budget and m.unexplained_bytes >= MIN_TRANSIENT_BYTES
+                over
+                and not explained
+                and own_planned <= budget
+                and m.unexplained_bytes >= MIN_TRANSIENT_BYTES
+                and not retained
             )
             if (explained or reuse_due or unexplained) and can_replan:
                 self._due = m
@@ -998,10 +1027,26 @@ class CheckedCompile:
                 stacklevel=2,
             )
         if over and (explained or own_planned <= budget):
-            if not explained and self._mode == "replan" and self._recompile is not None:
+            # Where the backward's retain_graph is not known, it is one possible cause.
+            unseen = (
+                "allocations the plan does not see"
+                if m.retain_graph is False
+                else "a backward with retain_graph=True, or allocations the plan does not see"
+            )
+            if not explained and retained:
+                kept = self._session.run_bytes[0]
+                why = (
+                    "its backward ran with retain_graph=True, which keeps the graph's saved tensors alive until the "
+                    f"graph is freed (the {kept} bytes of saved activations this plan keeps on the device, and the "
+                    "host copies of those it offloads), where the plan frees each at its last use in the backward: "
+                    f"{m.unexplained_bytes} bytes beyond the plan with the measured workspace that no plan models, "
+                    "so not replanned. Call backward() without retain_graph=True where the graph is not needed "
+                    "again (e.g. one backward of the summed losses), or raise memory_budget to leave room for them"
+                )
+            elif not explained and self._mode == "replan" and self._recompile is not None:
                 why = (
                     f"no op's workspace explains it ({m.unexplained_bytes} bytes beyond the plan with the measured "
-                    "workspace: a retain_graph backward, or allocations the plan does not see); "
+                    f"workspace: {unseen}); "
                     + (
                         f"not replanned again after {self._replans} replans"
                         if m.unexplained_bytes >= MIN_TRANSIENT_BYTES
@@ -1011,7 +1056,7 @@ class CheckedCompile:
             elif not explained:
                 why = (
                     f"no op's workspace explains it ({m.unexplained_bytes} bytes beyond the plan with the measured "
-                    "workspace: a retain_graph backward, or allocations the plan does not see); not replanned"
+                    f"workspace: {unseen}); not replanned"
                 )
             elif self._mode != "replan":
                 why = "runtime_check='measure': not replanned"
@@ -1287,8 +1332,10 @@ class CheckedCompile:
                 warnings.warn(
                     f"trinity graph {old_report.graph_id}: the measured peak of a step, {m.peak_bytes} bytes, is above "
                     f"the budget {budget} bytes (planned {old_report.peak_bytes_planned}); {reserve} bytes beyond the "
-                    f"plan with the measured workspace, which no op explains; with them reserved at every node no "
-                    f"plan reaches the budget ({exc}); the plan stays. " + _describe(m),
+                    f"plan with the measured workspace, which no op explains (an allocation the plan does not model, "
+                    f"such as a backward with retain_graph=True, which keeps the graph's saved tensors alive until "
+                    f"the graph is freed); with them reserved at every node no plan reaches the budget ({exc}); the "
+                    f"plan stays. " + _describe(m),
                     stacklevel=3,
                 )
                 return

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import offload_compiler
 from offload_compiler import measure_peak_device_bytes
+from offload_compiler.pipeline import InfeasibleBudgetError
 
 from . import models
 from .test_e2e import PEAK_SLACK_BYTES, SideBySide, assert_same
@@ -214,6 +215,52 @@ def test_report_and_dumps_show_the_choice(tmp_path):
     assert ("run_with_rng_state" in backward) == any(x["rng_nodes"] for x in dump["recomputes"])
     report = json.loads((folder / "report.json").read_text())
     assert report["decisions"] and report["recompute"]["num_recomputed"] == rc["num_recomputed"]
+
+
+def _infeasible_text(strategy, min_offload_bytes):
+    """The InfeasibleBudgetError's text for the MLP at 5% (below any plan's lowest peak)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    options = {"memory_budget": "5%", "inner": "eager", "strategy": strategy, "min_offload_bytes": min_offload_bytes}
+    f = torch.compile(models.MLP(), backend="trinity", options=options)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        f(*models.mlp_batch(1024))
+    inner = getattr(info.value, "inner_exception", None) or info.value.__cause__
+    assert isinstance(inner, InfeasibleBudgetError), inner
+    return str(inner)
+
+
+def test_recompute_only_infeasible_budget_advises_what_helps_recomputation():
+    """strategy="recompute" never offloads, so min_offload_bytes changes nothing there: the error
+    names the lowest budget that runs and offers strategy 'auto' or 'offload' (with a lower
+    min_offload_bytes only where it holds back every kept saved activation), not "lower
+    min_offload_bytes" alone, nor what offloading would reach (not planned under "recompute")."""
+    # The MLP's 8 tanh outputs (512 KiB each at n=1024) and its 2 other saved buffers: 4 of the 10
+    # recomputed at the lowest peak (3994244 bytes against 6025348 unplanned: 66.3%), 6 kept.
+    for mob in (0, 1 << 20):
+        text = _infeasible_text("recompute", mob)
+        assert "lowest peak any plan reaches, 3.81 MiB (3994244 bytes; 5.75 MiB without recomputation)" in text
+        assert "The lowest budget that runs is memory_budget='66.3%'" in text and "memory_budget=3994244" in text
+        assert "strategy='recompute' never offloads" in text
+        assert "can be offloaded" not in text and "Offloading cannot" not in text
+        assert "lower min_offload_bytes" not in text and "strategy='auto' may also offload" not in text
+        assert "Raise memory_budget or pass on_infeasible='warn' to run with the lowest-peak plan." in text
+        assert "what that would reach is not planned under strategy='recompute'" in text
+        assert "4 of 10 recomputable saved buffers recomputed" in text
+    assert "strategy='auto' or strategy='offload' may also offload the 6 saved activations this plan keeps" in (
+        _infeasible_text("recompute", 0)
+    )
+    # The kept tanh outputs (512 KiB) are all below the 1 MiB default: offloading them needs both.
+    assert (
+        "strategy='auto' or strategy='offload' with min_offload_bytes below 1.00 MiB may also offload the 6 saved "
+        "activations this plan keeps on the device" in text
+    )
+    # The strategies that offload keep their advice: at 1 MiB nothing can be offloaded.
+    for strategy in ("auto", "offload"):
+        text = _infeasible_text(strategy, 1 << 20)
+        assert "No saved activation of at least 1.00 MiB can be offloaded." in text
+        assert "Raise memory_budget, lower min_offload_bytes or pass on_infeasible='warn'" in text
+        assert "without offloading" in text and "never offloads" not in text
 
 
 def test_strategy_option_validated_eagerly():

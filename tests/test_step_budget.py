@@ -460,6 +460,42 @@ def test_replan_for_held_gradients_after_the_step_compiled_checks_the_step():
     assert not step_report(model).within_budget
 
 
+def test_replan_for_held_gradients_names_what_each_budget_is_a_percentage_of():
+    """The body planned again for the gradients it holds from an earlier backward: its refusal
+    quoted "74% of the unplanned peak = 654.56 KiB" and, in the summary of the step as planned
+    before, "budget 617.74 KiB" for the same 74%, without saying that the first is of the step's
+    unplanned peak with the gradients and the second of the step's peak before they were held.
+    Now each total names its base, and the bases differ by the gradients."""
+    from offload_compiler.options import format_bytes
+
+    msg = _refusal_of(_accumulate_body_then_loss, "74%")
+    assert "74% of the unplanned peak" not in msg, msg
+    m = re.search(
+        r"memory_budget 74% of the training step's unplanned peak [\d.]+ \w+ \((\d+) bytes\) = "
+        r"[\d.]+ \w+ \((\d+) bytes\) is below",
+        msg,
+    )
+    assert m, msg
+    base, budget = int(m.group(1)), int(m.group(2))
+    assert budget == int(0.74 * base)
+    assert f"of the step's peak without offloading ({base} bytes so far)" in msg  # the lowest budget's base
+    m = re.search(
+        r"The step as planned before this replan \(its budget then: 74% of the step's unplanned peak as it was "
+        r"then, (\d+) bytes, = (\d+) bytes; now 74% of (\d+) bytes = (\d+) bytes\): training step: 2 graph "
+        r"pair\(s\), budget ([^,]+), predicted peak [^(]+\(unplanned ([^)]+)\)",
+        msg,
+    )
+    assert m, msg
+    base_then, budget_then = int(m.group(1)), int(m.group(2))
+    assert (int(m.group(3)), int(m.group(4))) == (base, budget)
+    assert budget_then == int(0.74 * base_then) < budget
+    # The summary's own figures are those bytes.
+    assert (m.group(5), m.group(6)) == (format_bytes(budget_then), format_bytes(base_then))
+    # What the step holds now and did not then: the body's gradients from the earlier backward.
+    assert base - base_then == nbytes(_BodyThenLoss().body.parameters())
+    assert f"hold {base - base_then} bytes of gradients from an earlier backward" in msg
+
+
 def test_single_graph_is_its_own_step():
     """Without a graph break the ledger has one pair and holds nothing: the plan is the pair's."""
     torch._dynamo.reset()

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import offload_compiler
 from offload_compiler import measure_peak_device_bytes, step_check
 from offload_compiler.graph_pair import GraphPair
 from offload_compiler.passes import liveness
@@ -526,3 +527,83 @@ def test_analyze_stops_counting_a_resident_storage_where_it_is_released():
     # A trace made by hand without storages counts the resident bytes as the plan does.
     trace.resident = None
     assert step_check.analyze(trace, planned).peak_bytes == planned.resident_bytes + 4 * kib + 40 * kib
+
+
+def _tanh_stack():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(8)], nn.Linear(256, 1))
+
+
+def _retain_graph_steps(steps=3, retain=True):
+    """The tanh stack at 70% with ``backward(retain_graph=retain)``: the warnings of each step,
+    the model, the compiled pair's backward node of the first step and its loss (alive, so the
+    node's saved tensors are too)."""
+    torch._dynamo.reset()
+    m = _tanh_stack()
+    options = {"memory_budget": "70%", "inner": "eager", "min_offload_bytes": 0}
+    c = torch.compile(m, backend="trinity", options=options)
+    x = torch.randn(1024, 256)
+    seen, first = [], None
+    for _ in range(steps):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            loss = c(x).pow(2).mean()
+            loss.backward(retain_graph=retain)
+            m.zero_grad(set_to_none=True)
+        seen.append([str(x.message) for x in w if "trinity" in str(x.message)])
+        first = first or loss
+    node = first.grad_fn
+    while "CompiledFunction" not in type(node).__name__:
+        node = node.next_functions[0][0]
+    return seen, m, x, node
+
+
+def test_retain_graph_backward_is_named_not_replanned_with_a_reserve():
+    """retain_graph=True keeps the graph's saved tensors alive to the backward's end, where the
+    plan frees each at its last use: the check reads the backward's flag and says so (with the
+    device bytes of saved activations the plan keeps, as the backward node holds them), instead of
+    "bytes no op explains" and a reserve at every node that no plan meets."""
+    from offload_compiler.runtime.pool import live_pool_blocks
+
+    seen, m, x, node = _retain_graph_steps()
+    assert [len(s) for s in seen] == [1, 0, 0], seen  # warned once, at the measured step
+    (text,) = seen[0]
+    r = offload_compiler.last_report()
+    assert r.correction is None and r.measured_peak_bytes > r.budget_bytes  # not replanned
+    # The saved activations the node still holds on the device (not the parameters and input,
+    # not the host copies of the evicted ones in the pool's blocks).
+    pool = {p for p, _ in live_pool_blocks()}
+    resident = {t.untyped_storage().data_ptr() for t in [*m.parameters(), x]}
+    kept = sum(
+        t.untyped_storage().nbytes()
+        for t in node.saved_tensors
+        if t.untyped_storage().data_ptr() not in pool | resident
+    )
+    assert kept > 0 and r.num_evicted > 0
+    assert f"the measured peak of the first step, {r.measured_peak_bytes} bytes, is above the budget" in text
+    assert (
+        "its backward ran with retain_graph=True, which keeps the graph's saved tensors alive until the graph" in text
+    )
+    assert f"(the {kept} bytes of saved activations this plan keeps on the device, and the host copies" in text
+    assert "Call backward() without retain_graph=True where the graph is not needed again" in text
+    assert "raise memory_budget" in text
+    assert "no op explains" not in text and "no op's workspace explains" not in text
+    assert "reserved at every node" not in text and "no plan reaches the budget" not in text
+    # Without retain_graph the same plan is within its budget: nothing to say.
+    seen, *_ = _retain_graph_steps(steps=2, retain=False)
+    assert seen == [[], []]
+
+
+def test_retain_graph_unknown_is_named_as_a_possible_cause(monkeypatch):
+    """Where the backward's retain_graph flag cannot be read, the bytes no op explains are planned
+    for with a reserve as before, and the warning names retain_graph=True as a possible cause."""
+
+    monkeypatch.setattr(step_check, "_backward_keeps_graph", lambda: None)
+    seen, *_ = _retain_graph_steps()
+    texts = [t for s in seen for t in s]
+    assert len(texts) == 1, seen
+    assert (
+        "which no op explains (an allocation the plan does not model, such as a backward with retain_graph=True"
+        in (texts[0])
+    )
+    assert "with them reserved at every node no plan reaches the budget" in texts[0]

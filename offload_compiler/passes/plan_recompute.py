@@ -1308,6 +1308,4 @@ def infeasible_note(rp: RecomputePlan, held_bytes: int = 0) -> str:
     if rp.refused:
         name, why = rp.refused[0]
         parts.append(f"; {len(rp.refused)} saved buffers may not be recomputed (e.g. {name}: {why})")
-    if rp.strategy == "recompute":
-        parts.append("; strategy='auto' may also offload")
     return "".join(parts) + "."

@@ -619,12 +619,18 @@ def describe_infeasible(
     on_infeasible: str = "error",
     unplanned_peak_bytes: int | None = None,
     reach_override: str | None = None,
+    strategy: str = "offload",
 ) -> str:
     """The error text for a budget no plan reaches: the budget, the lowest reachable peak (in
     bytes and as the ``memory_budget`` percentage that reaches it, see
     :func:`lowest_budget_percent`), what dominates that peak, and only the remedies that apply (no
     "lower min_offload_bytes" when it is 0, no "pass on_infeasible='warn'" when it is already
     ``"warn"``).
+
+    ``strategy``: the option. ``"recompute"`` never offloads, so ``min_offload_bytes`` changes
+    nothing there: the text says so and offers ``strategy='auto'`` or ``'offload'`` instead when
+    the plan keeps saved activations on the device that those could offload (``liveness``'s
+    candidates; what offloading would reach is not planned under ``"recompute"``, so no figure).
 
     ``unplanned_peak_bytes``: the peak a percentage budget is a fraction of (default: the plan's
     unplanned peak; with parameter offload, the peak with every parameter resident).
@@ -640,7 +646,14 @@ def describe_infeasible(
     requested = budget_request if resolved in budget_request else f"{budget_request} = {resolved}"
     n = plan_.num_candidates
     size = f" of at least {format_bytes(min_offload_bytes)}" if min_offload_bytes > 0 else ""
-    if n == 0:
+    recompute_only = strategy == "recompute"
+    without = "without recomputation" if recompute_only else "without offloading"
+    if recompute_only:
+        candidates = (
+            "strategy='recompute' never offloads: every saved activation this plan does not recompute stays on "
+            "the device."
+        )
+    elif n == 0:
         candidates = f"No saved activation{size} can be offloaded."
     elif len(plan_.evictions) == n:
         candidates = f"All {n} saved activation{'s' if n != 1 else ''}{size} that can be offloaded are."
@@ -659,18 +672,34 @@ def describe_infeasible(
     percent = lowest_budget_percent(lowest, reference)
     if lowest >= reference:
         reach = (
-            "Offloading cannot lower this graph's peak: the lowest budget that runs is "
-            f"memory_budget='100%' ({format_bytes(reference)}, {reference} bytes)."
+            f"{'Recomputation' if recompute_only else 'Offloading'} cannot lower this graph's peak: the lowest "
+            f"budget that runs is memory_budget='100%' ({format_bytes(reference)}, {reference} bytes)."
         )
     else:
         reach = (
-            f"The lowest budget that runs is memory_budget='{percent}' of this graph's peak without "
-            f"offloading, or memory_budget={lowest} (bytes)."
+            f"The lowest budget that runs is memory_budget='{percent}' of this graph's peak {without}, "
+            f"or memory_budget={lowest} (bytes)."
         )
     if reach_override is not None:
         reach = reach_override
     remedies = ["raise memory_budget"]
-    if min_offload_bytes > 0:
+    switch = ""
+    if recompute_only:
+        # min_offload_bytes only matters once offloading is allowed: it is named only with the
+        # strategy that allows it, and only where it holds back every saved activation kept.
+        kept = len(liveness.candidates(min_offload_bytes))
+        smaller = len(liveness.candidates(0)) - kept
+        if kept:
+            which, lower = f"{kept} saved activation{'s' if kept != 1 else ''}{size}", ""
+        else:
+            which = f"{smaller} saved activation{'s' if smaller != 1 else ''}"
+            lower = f" with min_offload_bytes below {format_bytes(min_offload_bytes)}"
+        if kept or smaller:
+            switch = (
+                f" strategy='auto' or strategy='offload'{lower} may also offload the {which} this plan keeps on "
+                "the device; what that would reach is not planned under strategy='recompute'."
+            )
+    elif min_offload_bytes > 0:
         remedies.append("lower min_offload_bytes")
     if on_infeasible != "warn":
         remedies.append("pass on_infeasible='warn' to run with the lowest-peak plan")
@@ -679,7 +708,7 @@ def describe_infeasible(
     return (
         f"trinity: memory_budget {requested} is below the lowest peak any plan reaches, "
         f"{format_bytes(plan_.lowest_reachable_peak_bytes)} ({plan_.lowest_reachable_peak_bytes} bytes; "
-        f"{format_bytes(plan_.peak_bytes_unplanned)} without offloading), at {step.graph} node "
+        f"{format_bytes(plan_.peak_bytes_unplanned)} {without}), at {step.graph} node "
         f"{step.node!r}. That peak is dominated by {dominant}; by kind: {parts}. "
-        f"{candidates} {reach} {remedy}."
+        f"{candidates} {reach} {remedy}.{switch}"
     )
