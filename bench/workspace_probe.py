@@ -45,6 +45,7 @@ def main() -> None:
     bn = aten._native_batch_norm_legit_functional.default(x, b, b, rm, rv, True, 0.1, 1e-5)
     a = torch.randn(2048, 256)
     m = torch.randn(256, 256)
+    a16 = a.bfloat16()
     probes = {
         "convolution (x output)": (
             lambda: aten.convolution.default(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
@@ -72,6 +73,8 @@ def main() -> None:
         ),
         "mm (x input)": (lambda: aten.mm.default(a, m), a),
         "mse_loss mean (x input)": (lambda: aten.mse_loss.default(a, a, 1), a),
+        "native_dropout train (x input)": (lambda: aten.native_dropout.default(a, 0.1, True), a),
+        "native_dropout train, bf16 (x input)": (lambda: aten.native_dropout.default(a16, 0.1, True), a16),
     }
     print(f"torch {torch.__version__}, device cpu")
     loss = aten.mse_loss.default(a, a, 1)

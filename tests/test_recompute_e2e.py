@@ -7,6 +7,7 @@ chosen by ``strategy="auto"`` on device figures with a slow host link, where cop
 exposed and recomputing is cheaper.
 """
 
+import functools
 import json
 from pathlib import Path
 
@@ -92,6 +93,21 @@ def test_dropout_bit_identical_with_replayed_generator_state(strategy, options):
     if strategy == "recompute":
         assert r.num_evicted == 0
     check_peak(sbs, batch)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "offload"])
+def test_dropout_noise_is_planned_from_the_first_step(strategy):
+    """From a fresh-user trial: the CPU dropout kernel draws its noise into a tensor of its input's
+    size (``native_dropout``, inner="eager"), which the plan did not count: the first step of an
+    MLP with dropout measured one such tensor above the budget (3.03 MiB at 60%), until the
+    runtime check's replan. The workspace table counts it now: no correction is needed."""
+    sbs = SideBySide(functools.partial(DropoutMLP, d=256, depth=4), "eager", budget="60%", strategy=strategy)
+    batch = (torch.randn(1024, 256), torch.randint(0, 16, (1024,)))
+    seeded_step(sbs, batch, 6)
+    (r,) = sbs.reports()
+    assert r.measured_peak_bytes is not None, r.summary()
+    assert r.measured_peak_bytes <= r.budget_bytes + PEAK_SLACK_BYTES, r.summary()
+    assert r.correction is None, r.summary()
 
 
 def test_dropout_recomputed_under_inductor_close():
