@@ -61,7 +61,10 @@ _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 @dataclass(frozen=True)
 class PlanRow:
     """One budget's plan (bytes include the optimizer state when it is on the device; seconds are
-    predictions, with every copy the step issues). An infeasible row is the lowest-peak plan."""
+    predictions, with every copy the step issues). An infeasible row is the lowest-peak plan.
+    ``lowest_reachable_bytes``: the peak with every offload candidate at its tightest window given
+    the row's recomputation (see :attr:`~offload_compiler.report.TrinityReport.lowest_reachable_peak_bytes`):
+    the lowest any plan reaches in an infeasible row, and in every row of ``--strategy offload``."""
 
     budget: str
     budget_bytes: int

@@ -72,7 +72,11 @@ class TrinityReport:
         budget_bytes: the budget resolved for this pair (``None``: no limit).
         peak_bytes_unplanned: simulated peak of the pair without offloading.
         peak_bytes_planned: simulated peak with the plan (re-measured by the verifier when on).
-        lowest_reachable_peak_bytes: the lowest peak any plan reaches.
+        lowest_reachable_peak_bytes: the peak with every offload candidate evicted at its
+            tightest window, given this plan's recomputation. For an infeasible budget the plan
+            is the lowest-peak plan, so this is the lowest any plan reaches; with
+            ``strategy="offload"`` too. Where this plan recomputes at a feasible budget, another
+            recomputation may reach lower (the summary says "with this recomputation").
         evicted_bytes: device bytes of the evicted saved activations.
         copy_bytes: bytes copied to the host (and back) per step.
         num_evicted: evicted buffers.
@@ -315,6 +319,14 @@ class TrinityReport:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
+    def _lowest_qualifier(self) -> str:
+        """ " with this recomputation" where :attr:`lowest_reachable_peak_bytes` depends on this
+        plan's recompute choice (it recomputes, at a feasible budget), else ``""``."""
+        rc = self.recompute or {}
+        if self.feasible and (rc.get("num_recomputed") or rc.get("strategy") == "recompute"):
+            return " with this recomputation"
+        return ""
+
     def summary(self) -> str:
         """A few human-readable lines."""
         lines = [
@@ -322,8 +334,8 @@ class TrinityReport:
             f"node times: {self.op_times})",
             f"  budget     {self.budget_request} -> {format_bytes(self.budget_bytes)}",
             f"  peak       {format_bytes(self.peak_bytes_unplanned)} unplanned -> "
-            f"{format_bytes(self.peak_bytes_planned)} planned (lowest reachable "
-            f"{format_bytes(self.lowest_reachable_peak_bytes)})",
+            f"{format_bytes(self.peak_bytes_planned)} planned (lowest reachable"
+            f"{self._lowest_qualifier()} {format_bytes(self.lowest_reachable_peak_bytes)})",
             f"  evicted    {self.num_evicted} of {self.num_candidates} candidate buffers "
             f"({self.num_saved} saved tensors), {format_bytes(self.evicted_bytes)}; "
             f"{format_bytes(self.copy_bytes)} copied each way",

@@ -108,6 +108,8 @@ def test_dropout_noise_is_planned_from_the_first_step(strategy):
     assert r.measured_peak_bytes is not None, r.summary()
     assert r.measured_peak_bytes <= r.budget_bytes + PEAK_SLACK_BYTES, r.summary()
     assert r.correction is None, r.summary()
+    # Offload-only: the lowest reachable peak is the lowest any offload plan reaches, unqualified.
+    assert ("with this recomputation" in r.summary()) == (r.recompute["num_recomputed"] > 0), r.summary()
 
 
 def test_dropout_recomputed_under_inductor_close():
@@ -347,6 +349,8 @@ def test_inductor_keeps_recomputed_chains_where_the_plan_put_them():
     assert r.measured_peak_bytes <= r.budget_bytes + PEAK_SLACK_BYTES, r.summary()
     assert r.measured_peak_bytes <= r.peak_bytes_planned + PEAK_SLACK_BYTES, r.summary()
     assert r.correction is None, r.summary()
+    # Its lowest reachable peak is the one with this recomputation (another may reach lower).
+    assert "lowest reachable with this recomputation" in r.summary(), r.summary()
     for _ in range(2):
         sbs.step(batch)
     (r,) = sbs.reports()
