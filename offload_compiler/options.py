@@ -72,6 +72,8 @@ def parse_size(key: str, value: Any) -> int:
         if value < 0:
             raise ValueError(f"trinity option {key!r}: got {value!r}; a size must be >= 0 bytes")
         return value
+    if _negative(value):
+        raise ValueError(f"trinity option {key!r}: got {value!r}; a size must be >= 0 bytes")
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0 or value != int(value):
             raise ValueError(
@@ -171,10 +173,13 @@ class MemoryBudget:
         try:
             return MemoryBudget("bytes", float(parse_size(key, value)))
         except (ValueError, OverflowError):
+            hint = ""
+            if isinstance(value, float) and 0 < value < 1:
+                hint = f" (a fraction is written as a percentage: {MemoryBudget('fraction', value).percent_text()!r})"
             raise ValueError(
                 f"trinity option {key!r}: got {value!r}; expected {_SIZE_HELP}, a percentage "
                 "such as '50%' of the training step's peak without offloading, 'auto' (free device memory less a reserve) "
-                "or None (no limit)"
+                f"or None (no limit){hint}"
             ) from None
 
     def percent_text(self) -> str:

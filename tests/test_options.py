@@ -278,6 +278,23 @@ def test_negative_memory_budget_says_it_cannot_be_negative(bad):
     assert "'memory_budget'" in msg and repr(bad) in msg and "cannot be negative" in msg and "None" in msg
 
 
+def test_fractional_memory_budget_suggests_the_percentage():
+    with pytest.raises(ValueError) as info:
+        build({"memory_budget": 0.5})
+    assert "'memory_budget'" in str(info.value) and "'50%'" in str(info.value)
+    with pytest.raises(ValueError) as info:
+        build({"memory_budget": 1.5})  # not a fraction: no percentage suggested
+    assert "%'" not in str(info.value).split("None (no limit)")[-1]
+
+
+@pytest.mark.parametrize("bad", [-1, "-1", " -4KiB"])
+def test_negative_min_offload_bytes_says_sizes_are_not_negative(bad):
+    with pytest.raises(ValueError) as info:
+        build({"min_offload_bytes": bad})
+    msg = str(info.value)
+    assert "'min_offload_bytes'" in msg and repr(bad) in msg and "must be >= 0 bytes" in msg
+
+
 def test_memory_budget_describe():
     assert MemoryBudget("bytes", 2**30).describe() == f"1.00 GiB ({2**30} bytes)"
     assert MemoryBudget("fraction", 0.5).describe() == "50% of the unplanned peak"
