@@ -180,6 +180,10 @@ def test_describe_infeasible_names_budget_lowest_and_dominant_kind(mlp4):
     assert "2 of the 4 saved activations of at least 4.00 KiB that can be offloaded are;" in text
     assert "Raise memory_budget or lower min_offload_bytes." in text
     assert "on_infeasible" not in text
+    # A threshold below every saved activation holds none back: lowering it would change nothing.
+    assert len(live.candidates(1)) == len(live.candidates(0))
+    text = plan_window.describe_infeasible(plan, live, "1000 bytes", 1, on_infeasible="warn")
+    assert "min_offload_bytes" not in text and "Raise memory_budget." in text
 
 
 def test_min_offload_bytes_excludes_small_buffers():

@@ -699,7 +699,8 @@ def describe_infeasible(
                 f" strategy='auto' or strategy='offload'{lower} may also offload the {which} this plan keeps on "
                 "the device; what that would reach is not planned under strategy='recompute'."
             )
-    elif min_offload_bytes > 0:
+    elif min_offload_bytes > 0 and len(liveness.candidates(0)) > len(liveness.candidates(min_offload_bytes)):
+        # Only where smaller saved activations exist that a lower threshold would let it offload.
         remedies.append("lower min_offload_bytes")
     if on_infeasible != "warn":
         remedies.append("pass on_infeasible='warn' to run with the lowest-peak plan")
