@@ -45,7 +45,7 @@ upstream pull request does, so the index is transformed once. Every other store 
 unchanged. It is installed through the code generator's own customisation point
 (``CppKernelProxy.tile2d_kernel_cls``) only while trinity compiles a CPU graph, and a tag in
 ``torch.compiler.config.cache_key_tag`` keeps those graphs' FX-graph cache entries apart from
-plain Inductor's (and :data:`KERNEL_PER_NODE_TAG` those of the kernel-per-node change).
+plain Inductor's (and :data:`KERNEL_SPLIT_TAG` those of the kernel-group split).
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ from typing import Any
 import torch
 
 __all__ = [
-    "KERNEL_PER_NODE_TAG",
+    "KERNEL_SPLIT_TAG",
     "TILE2D_ATOMIC_ADD_TAG",
     "cpu_codegen_fixes",
-    "kernel_per_node_available",
+    "kernel_split_available",
     "tile2d_atomic_add_needs_fix",
     "with_cpu_codegen_fixes",
 ]
@@ -70,13 +70,19 @@ __all__ = [
 # Appended to torch.compiler.config.cache_key_tag while the fix is installed.
 TILE2D_ATOMIC_ADD_TAG = "trinity-tile2d-atomic-add-fix"
 # Appended while CppScheduling emits a kernel group wherever it frees 64 KiB or more.
-KERNEL_PER_NODE_TAG = "trinity-cpp-kernel-per-node"
+KERNEL_SPLIT_TAG = "trinity-cpp-kernel-split"
 
 
 @functools.cache
-def kernel_per_node_available() -> bool:
+def kernel_split_available() -> bool:
     """Whether this torch's C++ scheduling has the ``ready_to_flush`` hook that
-    ``Scheduler.codegen`` asks after each node (module docstring), which the change answers."""
+    ``Scheduler.codegen`` asks after each node (module docstring), which the change answers, and a
+    ``Scheduler.free_buffers`` whose filtering :func:`_pending_free_bytes` mirrors.
+
+    The mirror is of private Inductor code (torch 2.13's ``free_buffers``: pending names less
+    ``V.graph.removed_buffers`` and ``V.graph.wrapper_code.freed``; scheduler buffers that
+    ``can_free()``; graph inputs). A torch whose ``free_buffers`` no longer reads those names gets
+    plain Inductor's kernel groups (False) rather than a count that may be wrong."""
     try:
         from torch._inductor.codegen import cpp
         from torch._inductor.scheduler import Scheduler
@@ -85,11 +91,14 @@ def kernel_per_node_available() -> bool:
     if not callable(getattr(cpp.CppScheduling, "ready_to_flush", None)):
         return False
     try:
-        return "ready_to_flush()" in inspect.getsource(Scheduler.codegen) or "ready_to_flush()" in inspect.getsource(
-            Scheduler._codegen
-        )
+        codegen = inspect.getsource(Scheduler.codegen)
+        if "ready_to_flush()" not in codegen:
+            codegen = inspect.getsource(Scheduler._codegen)
+        free_buffers = inspect.getsource(Scheduler.free_buffers)
     except (OSError, TypeError, AttributeError):
         return False
+    mirrored = ("buffer_names_to_free", "removed_buffers", "wrapper_code.freed", "can_free()", "graph_inputs")
+    return "ready_to_flush()" in codegen and all(name in free_buffers for name in mirrored)
 
 
 FREE_AT_ONCE_BYTES = 64 * 1024
@@ -189,8 +198,8 @@ def cpu_codegen_fixes(device: torch.device) -> Iterator[bool]:
     ``CppScheduling.ready_to_flush`` and ``cache_key_tag`` are restored on exit, also when the
     compile raises."""
     fix_tile2d = device.type == "cpu" and tile2d_atomic_add_needs_fix()
-    per_node = device.type == "cpu" and kernel_per_node_available()
-    if not (fix_tile2d or per_node):
+    split = device.type == "cpu" and kernel_split_available()
+    if not (fix_tile2d or split):
         yield False
         return
     import torch.compiler.config as compiler_config
@@ -202,16 +211,16 @@ def cpu_codegen_fixes(device: torch.device) -> Iterator[bool]:
     if fix_tile2d:
         cpp.CppKernelProxy.tile2d_kernel_cls = _fixed_tile2d_kernel_cls()
         tags.append(TILE2D_ATOMIC_ADD_TAG)
-    if per_node:
+    if split:
         cpp.CppScheduling.ready_to_flush = _ready_to_flush_when_freeing
-        tags.append(KERNEL_PER_NODE_TAG)
+        tags.append(KERNEL_SPLIT_TAG)
     try:
         with compiler_config.patch(cache_key_tag="|".join(tags)):
             yield fix_tile2d
     finally:
         if fix_tile2d:
             cpp.CppKernelProxy.tile2d_kernel_cls = saved_tile2d
-        if per_node:
+        if split:
             if saved_flush is None:
                 del cpp.CppScheduling.ready_to_flush
             else:

@@ -15,10 +15,10 @@ from torch._inductor.utils import run_and_get_code
 
 import offload_compiler  # noqa: F401  (the trinity backend)
 from offload_compiler.inductor_fixes import (
-    KERNEL_PER_NODE_TAG,
+    KERNEL_SPLIT_TAG,
     TILE2D_ATOMIC_ADD_TAG,
     cpu_codegen_fixes,
-    kernel_per_node_available,
+    kernel_split_available,
     tile2d_atomic_add_needs_fix,
 )
 
@@ -89,8 +89,8 @@ def test_kernel_group_split_where_buffers_die_only_inside_trinity_compiles():
         _, (plain,) = run_and_get_code(torch.compile(f, backend="inductor"), x, y)
         torch._dynamo.reset()
         with cpu_codegen_fixes(torch.device("cpu")):
-            assert (cpp.CppScheduling.ready_to_flush is not flush) == kernel_per_node_available()
-            assert (KERNEL_PER_NODE_TAG in (torch.compiler.config.cache_key_tag or "")) == kernel_per_node_available()
+            assert (cpp.CppScheduling.ready_to_flush is not flush) == kernel_split_available()
+            assert (KERNEL_SPLIT_TAG in (torch.compiler.config.cache_key_tag or "")) == kernel_split_available()
             _, (split,) = run_and_get_code(torch.compile(f, backend="inductor"), x, y)
     torch._dynamo.reset()
     assert cpp.CppScheduling.ready_to_flush is flush
@@ -100,10 +100,27 @@ def test_kernel_group_split_where_buffers_die_only_inside_trinity_compiles():
         return [m.start() for m in re.finditer(r"^\s+cpp_fused_\w+\(", code, flags=re.M)]
 
     assert len(calls(plain)) == 1, plain
-    if kernel_per_node_available():
+    if kernel_split_available():
         first, second = calls(split)
         assert first < split.index("del arg0_1") < second, split
         assert first < split.index("del arg1_1") < second, split
+
+
+def test_kernel_split_refused_where_free_buffers_changed(monkeypatch):
+    """The split counts pending frees by mirroring ``Scheduler.free_buffers``' filtering: a torch
+    whose ``free_buffers`` no longer reads the names mirrored gets plain Inductor's groups."""
+    from torch._inductor.scheduler import Scheduler
+
+    if not kernel_split_available():
+        pytest.skip("this torch's C++ scheduling has no ready_to_flush hook")
+    assert kernel_split_available.__wrapped__() is True
+
+    def free_buffers(self):
+        """Frees whatever a future torch decides, by other bookkeeping."""
+        self.pending_frees.clear()
+
+    monkeypatch.setattr(Scheduler, "free_buffers", free_buffers)
+    assert kernel_split_available.__wrapped__() is False
 
 
 @needs_fix
