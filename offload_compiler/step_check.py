@@ -1027,12 +1027,7 @@ class CheckedCompile:
                 stacklevel=2,
             )
         if over and (explained or own_planned <= budget):
-            # Where the backward's retain_graph is not known, it is one possible cause.
-            unseen = (
-                "allocations the plan does not see"
-                if m.retain_graph is False
-                else "a backward with retain_graph=True, or allocations the plan does not see"
-            )
+            unseen = _unseen_causes(m.retain_graph)
             if not explained and retained:
                 kept = self._session.run_bytes[0]
                 why = (
@@ -1332,10 +1327,8 @@ class CheckedCompile:
                 warnings.warn(
                     f"trinity graph {old_report.graph_id}: the measured peak of a step, {m.peak_bytes} bytes, is above "
                     f"the budget {budget} bytes (planned {old_report.peak_bytes_planned}); {reserve} bytes beyond the "
-                    f"plan with the measured workspace, which no op explains (an allocation the plan does not model, "
-                    f"such as a backward with retain_graph=True, which keeps the graph's saved tensors alive until "
-                    f"the graph is freed); with them reserved at every node no plan reaches the budget ({exc}); the "
-                    f"plan stays. " + _describe(m),
+                    f"plan with the measured workspace, which no op explains ({_unseen_causes(m.retain_graph)}); with "
+                    f"them reserved at every node no plan reaches the budget ({exc}); the plan stays. " + _describe(m),
                     stacklevel=3,
                 )
                 return
@@ -1415,6 +1408,16 @@ def _replace(old, new, drop=None) -> None:
             (Path(new.dump_dir) / "report.json").write_text(new.to_json())
         except OSError:
             pass
+
+
+def _unseen_causes(retain_graph: bool | None) -> str:
+    """What may hold bytes beyond the plan that no op's workspace explains, for a warning: a
+    backward with ``retain_graph=True`` is named only where the measured backward's flag is not
+    known (``None``: the private API :func:`_backward_keeps_graph` reads is missing); where it is
+    known to be True the caller names it as the cause, and where False it is no cause."""
+    if retain_graph is False:
+        return "allocations the plan does not see"
+    return "a backward with retain_graph=True, or allocations the plan does not see"
 
 
 def _describe(m: StepMeasurement) -> str:

@@ -602,8 +602,18 @@ def test_retain_graph_unknown_is_named_as_a_possible_cause(monkeypatch):
     seen, *_ = _retain_graph_steps()
     texts = [t for s in seen for t in s]
     assert len(texts) == 1, seen
-    assert (
-        "which no op explains (an allocation the plan does not model, such as a backward with retain_graph=True"
-        in (texts[0])
-    )
+    assert "which no op explains (a backward with retain_graph=True, or allocations the plan does not see)" in texts[0]
     assert "with them reserved at every node no plan reaches the budget" in texts[0]
+
+
+def test_reserve_warning_names_retain_graph_only_where_it_may_be_the_cause(monkeypatch):
+    """The warning for a reserve no plan fits names the causes the check cannot rule out: where the
+    backward's flag reads False, retain_graph is not one of them (the same bytes, read as False)."""
+
+    monkeypatch.setattr(step_check, "_backward_keeps_graph", lambda: False)
+    seen, *_ = _retain_graph_steps()
+    texts = [t for s in seen for t in s]
+    assert len(texts) == 1, seen
+    assert "which no op explains (allocations the plan does not see)" in texts[0]
+    assert "with them reserved at every node no plan reaches the budget" in texts[0]
+    assert "retain_graph" not in texts[0]
