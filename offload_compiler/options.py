@@ -68,14 +68,12 @@ def parse_size(key: str, value: Any) -> int:
     """
     if isinstance(value, bool):
         raise ValueError(f"trinity option {key!r}: got {value!r}; expected {_SIZE_HELP}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"trinity option {key!r}: got {value!r}; a size must be >= 0 bytes")
-        return value
     if _negative(value):
         raise ValueError(f"trinity option {key!r}: got {value!r}; a size must be >= 0 bytes")
+    if isinstance(value, int):
+        return value
     if isinstance(value, float):
-        if not math.isfinite(value) or value < 0 or value != int(value):
+        if not math.isfinite(value) or value != int(value):
             raise ValueError(
                 f"trinity option {key!r}: got {value!r}; expected a whole, non-negative number of bytes or {_SIZE_HELP}"
             )

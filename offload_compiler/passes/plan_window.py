@@ -684,11 +684,12 @@ def describe_infeasible(
         reach = reach_override
     remedies = ["raise memory_budget"]
     switch = ""
+    # Saved activations that could be offloaded at the threshold, and those only below it.
+    kept = len(liveness.candidates(min_offload_bytes))
+    smaller = len(liveness.candidates(0)) - kept
     if recompute_only:
         # min_offload_bytes only matters once offloading is allowed: it is named only with the
         # strategy that allows it, and only where it holds back every saved activation kept.
-        kept = len(liveness.candidates(min_offload_bytes))
-        smaller = len(liveness.candidates(0)) - kept
         if kept:
             which, lower = f"{kept} saved activation{'s' if kept != 1 else ''}{size}", ""
         else:
@@ -699,7 +700,7 @@ def describe_infeasible(
                 f" strategy='auto' or strategy='offload'{lower} may also offload the {which} this plan keeps on "
                 "the device; what that would reach is not planned under strategy='recompute'."
             )
-    elif min_offload_bytes > 0 and len(liveness.candidates(0)) > len(liveness.candidates(min_offload_bytes)):
+    elif min_offload_bytes > 0 and smaller > 0:
         # Only where smaller saved activations exist that a lower threshold would let it offload.
         remedies.append("lower min_offload_bytes")
     if on_infeasible != "warn":
