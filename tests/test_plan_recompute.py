@@ -413,6 +413,31 @@ def test_joint_program_share_counts_from_its_own_start(mlp, monkeypatch):
 
 
 @pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
+def test_joint_programs_earlier_incumbents_are_scored(mlp, monkeypatch):
+    """The program's objective approximates the simulator's step, so the incumbent HiGHS found
+    before its last is scored too (with offloading free), and the best scored plan wins: a
+    longer search never gives a worse plan than a shorter one that stopped at that incumbent."""
+    counts = []
+    solve = plan_recompute._Model.solve
+
+    def recording(self, *args, **kwargs):
+        out = solve(self, *args, **kwargs)
+        counts.append(len(self.incumbents))
+        return out
+
+    monkeypatch.setattr(plan_recompute._Model, "solve", recording)
+    live, costs = analyze(mlp, SLOW_LINK)
+    joint = plan_recompute.plan_joint(mlp, live, costs, int(0.9 * live.peak_bytes), "auto", 0)
+    if counts[-1] < 2:
+        pytest.skip(f"this HiGHS found one incumbent for the joint program ({counts})")
+    scored = {name: (step, feasible) for name, _n, step, _peak, feasible in joint.recompute.scored}
+    assert "solver's incumbent 1 before its last, offload free" in scored, scored
+    assert sum("incumbent" in name for name in scored) <= plan_recompute._EARLIER_INCUMBENTS
+    best = min(step for step, feasible in scored.values() if feasible)
+    assert scored[joint.recompute.chosen] == (best, True), (joint.recompute.chosen, scored)
+
+
+@pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
 def test_solver_bound_is_reported_and_below_the_plans_cost(mlp):
     """The joint program's proven lower bound (HiGHS's dual bound, in seconds): solved to
     optimality it is at most the winning plan's recomputation and exposed copy time (up to the
