@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -40,6 +41,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from . import host_load
 from .devices import DeviceSpec, detect_device_spec
 from .dump import GraphDumper
 from .graph_pair import GraphPair, fill_tuple_vals
@@ -411,11 +413,29 @@ def measured_op_times(pair: GraphPair, device: str, host_is_device: bool) -> op_
     """The measured times of ``pair``'s aten calls on ``device`` (:func:`.passes.op_timing.measure`),
     kept in ``pair.forward.meta["trinity_op_times"]`` so that a later analysis of the same graphs
     (a replan, the rewritten graphs' recomputed and moved calls) measures only calls it has not
-    timed. Reads and writes that meta key."""
+    timed. Reads and writes that meta key.
+
+    Warns when the host is the device and other processes used at least
+    :data:`~.host_load.BUSY_FRACTION` of its cores while new calls were timed (their OpenMP
+    threads wait for descheduled workers, so the times, and the plan made from them, can be far
+    off); the report's ``op_times`` line says so too."""
     known = pair.forward.meta.get("trinity_op_times")
     nodes = [*pair.forward.graph.nodes, *pair.backward.graph.nodes]
     times = op_timing.measure(nodes, device, host_is_device=host_is_device, known=known)
     pair.forward.meta["trinity_op_times"] = times
+    new = len(times) + len(times.not_timed) - (len(known) + len(known.not_timed) if known is not None else 0)
+    load = times.other_load
+    if host_is_device and new and load is not None and load >= host_load.BUSY_FRACTION:
+        cores = os.cpu_count() or 1
+        warnings.warn(
+            f"trinity op_times='measured': while this graph's ops were timed, other processes used "
+            f"{load:.0%} of this machine's {cores} CPU core{'s' if cores != 1 else ''}. A CPU kernel runs on "
+            f"{times.threads} thread{'s' if times.threads != 1 else ''} and waits for any that is descheduled, so "
+            "the times, and the plan made from them, can be far off (on a 2-core machine beside two test runs "
+            "a 1 MiB mul took 5-12 ms instead of 0.035 ms). Compile on an idle machine, or use "
+            "op_times='roofline'.",
+            stacklevel=2,
+        )
     return times
 
 

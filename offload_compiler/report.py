@@ -11,6 +11,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from .host_load import BUSY_FRACTION
 from .options import format_bytes
 from .runtime.transfer import TransferStats, _registry
 
@@ -567,4 +568,9 @@ def _op_times_text(times) -> str:
     if times is None:
         return "roofline"
     left = len(times.not_timed)
-    return f"measured: {len(times)} calls on {times.device}, {left} left to the roofline"
+    text = f"measured: {len(times)} calls on {times.device}, {left} left to the roofline"
+    if times.device == "cpu" and times.other_load is not None and times.other_load >= BUSY_FRACTION:
+        text += (
+            f"; other processes used {times.other_load:.0%} of the CPU while they were timed, so they may be far off"
+        )
+    return text

@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..host_load import OtherLoad
 from ..ir.alias import hint_int
 
 __all__ = ["OpTimes", "TimingKey", "timing_key", "measure"]
@@ -65,12 +66,18 @@ class OpTimes:
         device: the device they were measured on (``"cpu"``, ``"cuda:0"``).
         threads: torch's intra-op threads when measured (``torch.get_num_threads()``).
         not_timed: :data:`TimingKey` -> why the call was not timed (the roofline times it).
+        other_load: the share of all the host's cores (0-1) that other processes used while the
+            calls were timed (:class:`~offload_compiler.host_load.OtherLoad`; the largest over
+            the measurements merged here), or ``None`` where it could not be read. Above
+            :data:`~offload_compiler.host_load.BUSY_FRACTION` the CPU times are suspect: the
+            kernels' OpenMP threads wait for descheduled workers.
     """
 
     seconds: Mapping[TimingKey, float] = field(default_factory=lambda: MappingProxyType({}))
     device: str = "cpu"
     threads: int = 1
     not_timed: Mapping[TimingKey, str] = field(default_factory=lambda: MappingProxyType({}))
+    other_load: float | None = None
 
     @property
     def skipped(self) -> tuple[tuple[str, str, int], ...]:
@@ -225,7 +232,8 @@ def measure(
     # Random ops (dropout) draw from the generators: their states are put back afterwards, so
     # that timing changes no random number the training draws.
     rng_devices = [device] if device.type == "cuda" else []
-    with torch.no_grad(), _disable_current_modes(), torch.random.fork_rng(devices=rng_devices):
+    timed = 0
+    with OtherLoad() as load, torch.no_grad(), _disable_current_modes(), torch.random.fork_rng(devices=rng_devices):
         for node in nodes:
             key = timing_key(node)
             if key is None or key in seconds or key in not_timed:
@@ -240,7 +248,17 @@ def measure(
                 not_timed[key] = got
             else:
                 seconds[key] = got
-    return OpTimes(MappingProxyType(seconds), str(device), torch.get_num_threads(), MappingProxyType(not_timed))
+                timed += 1
+    loads = [
+        x for x in (known.other_load if known is not None else None, load.fraction if timed else None) if x is not None
+    ]
+    return OpTimes(
+        MappingProxyType(seconds),
+        str(device),
+        torch.get_num_threads(),
+        MappingProxyType(not_timed),
+        max(loads) if loads else None,
+    )
 
 
 def _shapes(value) -> list[tuple[int, ...]]:
