@@ -29,10 +29,11 @@ the budget. It is made in three stages:
    budget), the same program with a peak variable in place of the budget (the lowest-peak
    program, step seconds only a tie-break) gives the choice scored for the lowest peak.
 2. **Score.** Each candidate choice (the solver's, up to two of its earlier incumbents, offload
-   only, recompute only, the greedy prefixes) is scored by the working-window planner on a view of the liveness and costs with the
-   recomputation applied (:func:`recompute_view`): the recomputed buffer is freed after its last
-   forward reader and allocated again at its recompute point, its chain's intermediates count
-   there, its leaves stay live until it, and its seconds are added to the schedule. The best
+   only, recompute only, the greedy prefixes) is scored by the working-window planner on a view
+   of the liveness and costs with the recomputation applied (:func:`recompute_view`): the
+   recomputed buffer is freed after its last forward reader and allocated again at its recompute
+   point, its chain's intermediates count there, its leaves stay live until it, and its seconds
+   are added to the schedule. The best
    feasible predicted step wins (ties: fewer recomputations); with none feasible, the lowest peak.
 3. **Exact.** The winning recomputation is applied to a copy of the graphs
    (:mod:`.insert_recompute`), liveness and the cost model run on the copy, and the
