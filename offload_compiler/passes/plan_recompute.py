@@ -33,8 +33,8 @@ the budget. It is made in three stages:
    of the liveness and costs with the recomputation applied (:func:`recompute_view`): the
    recomputed buffer is freed after its last forward reader and allocated again at its recompute
    point, its chain's intermediates count there, its leaves stay live until it, and its seconds
-   are added to the schedule. The best
-   feasible predicted step wins (ties: fewer recomputations); with none feasible, the lowest peak.
+   are added to the schedule. The best feasible predicted step wins (ties: fewer
+   recomputations); with none feasible, the lowest peak.
 3. **Exact.** The winning recomputation is applied to a copy of the graphs
    (:mod:`.insert_recompute`), liveness and the cost model run on the copy, and the
    working-window planner makes the final plan on them, so the planned peak is the one the
