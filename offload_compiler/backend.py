@@ -8,6 +8,7 @@ loader registers it, and registering twice raises ``duplicate name``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -152,10 +153,13 @@ def _with_runtime_check(compiled, gm, example_inputs, options, mode):
             for x in example_inputs
         ]
 
-        def recompile(margins, reuse=None, grad_bytes=0):
+        def recompile(margins, reuse=None, grad_bytes=0, on_infeasible=None):
+            opts = (
+                options if on_infeasible is None else dataclasses.replace(session.options, on_infeasible=on_infeasible)
+            )
             with torch._guards.tracing(ctx) if ctx is not None else contextlib.nullcontext():
                 compiled = _compile(
-                    gm, fakes, options, mode, {}, margins=margins, step=session.step, reuse=reuse, grad_bytes=grad_bytes
+                    gm, fakes, opts, mode, {}, margins=margins, step=session.step, reuse=reuse, grad_bytes=grad_bytes
                 )
                 _push_ddp_bucket(ctx)
             again = session_of(compiled)

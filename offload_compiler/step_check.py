@@ -1219,37 +1219,90 @@ class CheckedCompile:
 
     def _replan_for_cap(self) -> None:
         """Plan the pair again with the cap the step ledger holds for it (at this call: the
-        start of the step after the one whose later pair asked for it, never inside a step)."""
+        start of the step after the one whose later pair asked for it, never inside a step).
+
+        Where no plan keeps that little (the pair's floor was an estimate: under
+        ``strategy="recompute"`` recomputing a saved activation keeps its chain's leaves), the
+        pair runs its lowest-peak plan, the ledger counts what that keeps (so the step's report
+        and the later pairs' holdings say what the step holds), and when the step's predicted
+        peak is then above its budget the call raises :class:`~.pipeline.InfeasibleBudgetError`
+        (``on_infeasible="error"``) or warns, with the budget that runs. (A trial's graph-broken
+        recompute-only step at 50% planned its second pair for a 6.80 MiB cap on the first,
+        which kept 20 MiB: it measured 64.52 MiB against a 57.33 MiB budget while its report
+        said it fit; with ``on_infeasible="error"`` the error named a budget below the one asked
+        for.)"""
         step = self._session.step
         cap = step.ledger.kept_cap(step.key)
+        from .passes.plan_window import lowest_budget_percent
         from .pipeline import InfeasibleBudgetError
 
-        try:
-            session = self._replan_again(
-                f"to keep at most {cap} bytes of saved activations for a later graph pair of the step"
-            )
-        except InfeasibleBudgetError:
-            self._cap_tried = cap  # (not tried again)
-            raise
-        if session is None:
-            self._cap_tried = cap
-            return
-        holding = session.step_holding
-        if holding is not None and holding.kept_bytes > cap:
-            self._cap_tried = cap
-            warnings.warn(
-                f"trinity graph {self.report.graph_id}: planned again to keep at most {cap} bytes of saved activations "
-                f"for a later graph pair, it still keeps {holding.kept_bytes} bytes",
-                stacklevel=4,
-            )
+        later = step.ledger.caps()[step.key][1]
+        options = self._session.options
+        why = f"to keep at most {cap} bytes of saved activations for a later graph pair of the step"
 
-    def _replan_again(self, why: str):
+        def replan(on_infeasible=None):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                return self._replan_again(why, on_infeasible=on_infeasible), seen
+
+        refused = None
+        try:
+            session, seen = replan()
+        except InfeasibleBudgetError as exc:
+            # Its own budget, or the cap (a later pair's need, not this pair's budget)? Its
+            # lowest-peak plan tells: what that keeps decides what the step reaches.
+            refused = exc
+            session, seen = replan(on_infeasible="warn")
+        holding = session.step_holding if session is not None else None
+        missed = holding is not None and holding.kept_bytes > cap
+        for w in seen:
+            # This pair's own infeasibility message: where the cap is missed it describes the miss
+            # as a peak (said below); where the replan was refused, the error says it.
+            if not ((missed or refused is not None) and str(w.message).startswith("trinity: memory_budget")):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if not missed:
+            self._cap_tried = cap if session is None or refused is not None else self._cap_tried
+            if refused is not None:
+                raise refused
+            return
+        self._cap_tried = cap
+        # The later pair was planned for the cap: count what this pair keeps instead, so that the
+        # step's report and the later pairs' holdings say what the step holds.
+        kept = holding.kept_bytes
+        step.ledger.set_caps({step.key: kept}, later)
+        self._cap_tried = kept
+        report = step.ledger.report()
+        budget, peak = report.budget_bytes, report.predicted_peak_bytes
+        over = 0 if budget is None else peak - budget
+        how = " (strategy='recompute' offloads none of them)" if options.strategy == "recompute" else ""
+        message = (
+            f"trinity graph {self.report.graph_id}: the step's later graph pair {later} fits the step's budget only "
+            f"if this pair keeps at most {cap} bytes of saved activations; planned again, it still keeps {kept} "
+            f"bytes{how}. The step's predicted peak is then {peak} bytes"
+        )
+        if over <= 0:
+            warnings.warn(message + f", within its budget {budget} bytes", stacklevel=4)
+            return
+        percent = lowest_budget_percent(peak, report.unplanned_peak_bytes)
+        message += (
+            f", {over} above its budget {budget} bytes. Raise memory_budget (these plans run within '{percent}' "
+            f"of the training step's unplanned peak, {report.unplanned_peak_bytes} bytes, or {peak} bytes; with a "
+            "higher budget the pairs are planned again and may need less)"
+            + (", or use strategy='auto', which may offload them" if options.strategy == "recompute" else "")
+            + "."
+        )
+        if options.on_infeasible == "error":
+            raise InfeasibleBudgetError(message)
+        warnings.warn(message + " (on_infeasible='warn': the step runs above its budget)", stacklevel=4)
+
+    def _replan_again(self, why: str, on_infeasible: str | None = None):
         """Plan the pair again with what the step holds now (the ledger's cap on this pair, the
         gradients its parameters hold) and the margins and runs the check measured so far; run
         the new plan from this call on. The report keeps its graph id and measured correction;
         the new plan's first step is measured again. ``why``: the reason, as the messages say it
-        ("for ...", "to ..."). Returns the new session, or ``None`` when the plan stays (a
-        failed replan warns: it must not stop training that runs).
+        ("for ...", "to ..."); ``on_infeasible``: in place of the option's (``"warn"``: the
+        lowest-peak plan where none fits). Returns the new session, or ``None`` when the plan
+        stays (a failed replan warns: it must not stop training that runs).
 
         Raises:
             InfeasibleBudgetError: no plan reaches the budget with them and ``on_infeasible="error"``.
@@ -1258,7 +1311,12 @@ class CheckedCompile:
 
         old_report = self.report
         try:
-            compiled = self._recompile(self._margins, self._session.reuse, self._grad_bytes)
+            if on_infeasible is None:
+                compiled = self._recompile(self._margins, self._session.reuse, self._grad_bytes)
+            else:
+                compiled = self._recompile(
+                    self._margins, self._session.reuse, self._grad_bytes, on_infeasible=on_infeasible
+                )
         except InfeasibleBudgetError as exc:
             text = str(exc).removeprefix("trinity: ")
             raise InfeasibleBudgetError(f"trinity graph {old_report.graph_id}: planned again {why}: {text}") from exc

@@ -177,6 +177,43 @@ def test_earlier_pair_is_replanned_to_keep_less_for_a_later_one(reference, budge
     assert m.peak_bytes < ref_peak
 
 
+def test_cap_an_earlier_pair_cannot_meet_is_counted_and_refused():
+    """Under strategy="recompute" an earlier pair's floor is an estimate (a recomputed saved
+    activation keeps its chain's leaves): at 60% the second pair is planned for a cap on the
+    first that the first, planned again, cannot meet. The step's report then counts what the
+    first keeps (a fresh-user trial's step measured 12.5% above its budget while its report said
+    it fit), the call refuses the step (on_infeasible="error") naming a budget these plans run
+    within, and that budget, passed back, runs within it."""
+    pattern = (
+        r"fits the step's budget only if this pair keeps at most (\d+) bytes of saved activations; planned again, "
+        r"it still keeps (\d+) bytes \(strategy='recompute' offloads none of them\)\. The step's predicted peak "
+        r"is then (\d+) bytes, (\d+) above its budget (\d+) bytes\. Raise memory_budget \(these plans run "
+        r"within '([\d.]+%)'"
+    )
+    with pytest.raises(InfeasibleBudgetError) as info:
+        train("60%", on_infeasible="error", strategy="recompute")
+    match = re.search(pattern, str(info.value))
+    assert match, str(info.value)
+    cap, kept, peak, over, budget = map(int, match.groups()[:5])
+    assert kept > cap and peak - budget == over > 0
+    assert "use strategy='auto', which may offload them" in str(info.value)
+    # on_infeasible="warn": the same, warned, and the step's report counts what the first keeps.
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model, _m, _grads = train("60%", on_infeasible="warn", strategy="recompute")
+    (text,) = [str(w.message) for w in seen if "fits the step's budget only if" in str(w.message)]
+    assert re.search(pattern, text) and "(on_infeasible='warn': the step runs above its budget)" in text
+    report = step_report(model)
+    first, second = report.pairs
+    assert first.kept_bytes == kept and second.held_kept_bytes == kept
+    assert report.predicted_peak_bytes == peak and not report.within_budget
+    # The percentage named runs: the step's report and its measured peak within the budget.
+    model, m, _grads = train(match.group(6), on_infeasible="error", strategy="recompute")
+    report = step_report(model)
+    assert report.within_budget, report.summary()
+    assert m.peak_bytes <= report.budget_bytes + PEAK_SLACK_BYTES
+
+
 def test_later_pair_that_cannot_fit_even_with_capped_earlier_pairs_is_refused():
     # At 1.06 MB the first pair fits (its lowest step peak is 1038080 bytes) but the second cannot
     # fit even with the first keeping nothing (1085956 bytes): refused, with
