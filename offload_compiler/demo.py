@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from .models import GPT, GPTConfig
-from .options import format_bytes
+from .options import TrinityOptions, format_bytes
+from .pipeline import InfeasibleBudgetError
 from .report import reports
 from .runtime.accounting import measure_peak_device_bytes
 
@@ -145,7 +146,8 @@ def _train(model, compiled, batches, steps, device, progress, task, label) -> Ru
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m offload_compiler demo``; returns the exit status (1 if the two
-    runs' losses disagree beyond the tolerance, or trinity's peak exceeds its budget)."""
+    runs' losses disagree beyond the tolerance, or trinity's peak exceeds its budget; 2 if no plan
+    reaches the budget: the refusal's message is printed, with the budget that runs)."""
     parser = argparse.ArgumentParser(prog="python -m offload_compiler demo", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     parser.add_argument(
@@ -181,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         f"options={{'memory_budget': {args.budget!r}, 'inner': {args.inner!r}}})"
     )
 
+    options = {"memory_budget": args.budget, "inner": args.inner, "dump_dir": args.dump_dir}
+    try:
+        TrinityOptions.from_user(options)  # a bad option fails here, before the reference run
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.manual_seed(args.seed)
     ref_model = _LossModel(GPT(cfg)).to(device)
     tri_model = copy.deepcopy(ref_model)
@@ -198,17 +205,25 @@ def main(argv: list[str] | None = None) -> int:
             "reference",
         )
         task = progress.add_task("trinity", total=args.steps)
-        options = {"memory_budget": args.budget, "inner": args.inner, "dump_dir": args.dump_dir}
-        tri = _train(
-            tri_model,
-            torch.compile(tri_model, backend="trinity", options=options),
-            batches,
-            args.steps,
-            device,
-            progress,
-            task,
-            "trinity",
-        )
+        try:
+            tri = _train(
+                tri_model,
+                torch.compile(tri_model, backend="trinity", options=options),
+                batches,
+                args.steps,
+                device,
+                progress,
+                task,
+                "trinity",
+            )
+        except Exception as exc:  # a budget no plan reaches: its message, not Dynamo's traceback
+            refused = getattr(exc, "inner_exception", exc)
+            if not isinstance(refused, InfeasibleBudgetError):
+                raise
+            progress.stop()
+            console.print(f"[bold red]trinity refused the budget[/bold red] {args.budget!r}:")
+            console.print(str(refused), markup=False, highlight=False)
+            return 2
     new_reports = reports()[before:]
 
     exact = args.inner == "eager"

@@ -172,8 +172,12 @@ class MemoryBudget:
             return MemoryBudget("bytes", float(parse_size(key, value)))
         except (ValueError, OverflowError):
             hint = ""
-            if isinstance(value, float) and 0 < value < 1:
-                hint = f" (a fraction is written as a percentage: {MemoryBudget('fraction', value).percent_text()!r})"
+            try:
+                number = float(value) if isinstance(value, (float, str)) else None
+            except ValueError:
+                number = None
+            if number is not None and 0 < number < 1:
+                hint = f" (a fraction is written as a percentage: {MemoryBudget('fraction', number).percent_text()!r})"
             raise ValueError(
                 f"trinity option {key!r}: got {value!r}; expected {_SIZE_HELP}, a percentage "
                 "such as '50%' of the training step's peak without offloading, 'auto' (free device memory less a reserve) "
@@ -188,8 +192,13 @@ class MemoryBudget:
         return text + "%"
 
     def describe(self) -> str:
+        """The budget as messages and reports name it. A byte count from 1 to 100 says how a
+        percentage is written (``memory_budget=50`` or ``"50"`` is 50 bytes, not 50%)."""
         if self.kind == "bytes":
-            return f"{format_bytes(self.value)} ({int(self.value)} bytes)"
+            hint = ""
+            if 1 <= self.value <= 100 and self.value == int(self.value):
+                hint = f"; a percentage is written with '%': '{int(self.value)}%'"
+            return f"{format_bytes(self.value)} ({int(self.value)} bytes{hint})"
         if self.kind == "fraction":
             return f"{self.value * 100:g}% of the unplanned peak"
         return self.kind

@@ -285,6 +285,10 @@ def test_fractional_memory_budget_suggests_the_percentage():
     with pytest.raises(ValueError) as info:
         build({"memory_budget": 1.5})  # not a fraction: no percentage suggested
     assert "%'" not in str(info.value).split("None (no limit)")[-1]
+    # The string too (a fresh-user trial: '0.5' got no hint where 0.5 did).
+    with pytest.raises(ValueError) as info:
+        build({"memory_budget": "0.5"})
+    assert "got '0.5'" in str(info.value) and "(a fraction is written as a percentage: '50%')" in str(info.value)
 
 
 @pytest.mark.parametrize("bad", [-1, "-1", " -4KiB"])
@@ -297,6 +301,10 @@ def test_negative_min_offload_bytes_says_sizes_are_not_negative(bad):
 
 def test_memory_budget_describe():
     assert MemoryBudget("bytes", 2**30).describe() == f"1.00 GiB ({2**30} bytes)"
+    # memory_budget=50 (or "50") is 50 bytes: the messages that name it say how 50% is written.
+    assert build({"memory_budget": "50"}).memory_budget == MemoryBudget("bytes", 50.0)
+    assert MemoryBudget("bytes", 50).describe() == "50 B (50 bytes; a percentage is written with '%': '50%')"
+    assert MemoryBudget("bytes", 101).describe() == "101 B (101 bytes)"
     assert MemoryBudget("fraction", 0.5).describe() == "50% of the unplanned peak"
     assert MemoryBudget("auto").describe() == "auto"
     assert MemoryBudget("none").describe() == "none"

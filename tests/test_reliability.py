@@ -707,3 +707,20 @@ def test_dynamic_batch_sizes_under_fault_injection_one_compile():
     (r,) = sbs.reports()
     s = r.runtime_stats()
     assert s.num_evicts == 4 * r.num_evicted and s.pending_copies == 0
+
+
+def test_demo_refusal_prints_the_message_and_exits_2(capsys, tmp_path):
+    """``demo --budget 25%`` (below what any plan reaches for the demo GPT): the refusal's message
+    with the budget that runs, exit status 2, no traceback (a fresh-user trial got 92 lines of
+    Dynamo's traceback); a malformed budget fails before the reference run."""
+    from offload_compiler.demo import main
+
+    torch._dynamo.reset()
+    assert main(["--budget", "25%", "--steps", "1", "--dump-dir", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert "trinity refused the budget '25%'" in out and "Traceback" not in out
+    assert "The lowest budget that runs is memory_budget=" in " ".join(out.split())
+    with pytest.raises(SystemExit) as info:
+        main(["--budget", "0.5"])
+    assert info.value.code == 2
+    assert "(a fraction is written as a percentage: '50%')" in capsys.readouterr().err
