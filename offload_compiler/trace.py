@@ -193,8 +193,11 @@ def trace_training_step(
     inner: str = "eager",
     joint_pass: Callable[[torch.fx.GraphModule], None] | None = None,
 ) -> TracedStep:
-    """Trace ``cross_entropy(build()(idx), idx)`` forward and backward on fake tensors (see
-    :func:`trace_step`).
+    """Trace ``cross_entropy(build()(idx), targets)`` forward and backward on fake tensors (see
+    :func:`trace_step`): token ids and targets are two ``[batch, seq_len]`` int64 inputs, as a
+    language model is trained (the demo's next-token targets), so the targets' bytes are in the
+    step as they are in the backend's (with ``idx`` as its own targets ``plan --model demo`` was
+    16,384 bytes under the demo's compile, a fresh-user trial found).
 
     Args:
         build: makes the model; its ``forward`` takes token ids ``[batch, seq_len]`` and returns
@@ -212,14 +215,22 @@ def trace_training_step(
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"trace_training_step: {name} must be a positive int, got {value!r}")
 
-    def lm_loss(logits, ids):
-        return F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
-
     return trace_step(
-        build,
-        lambda: (torch.zeros(batch, seq_len, dtype=torch.int64, device="cpu"),),
+        lambda: _LanguageModelLoss(build()),
+        lambda: tuple(torch.zeros(batch, seq_len, dtype=torch.int64, device="cpu") for _ in range(2)),
         dtype,
-        lm_loss,
+        None,
         inner,
         joint_pass,
     )
+
+
+class _LanguageModelLoss(nn.Module):
+    """``cross_entropy(model(idx), targets)`` in float32 (the model's logits upcast)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model(idx).flatten(0, 1).float(), targets.flatten())
