@@ -676,10 +676,14 @@ def describe_infeasible(
             f"budget that runs is memory_budget='100%' ({format_bytes(reference)}, {reference} bytes)."
         )
     else:
-        reach = (
-            f"The lowest budget that runs is memory_budget='{percent}' of this graph's peak {without}, "
-            f"or memory_budget={lowest} (bytes)."
+        # The percentage is of the base the budget's percentage is of, which may not be the peak
+        # shown (a replan's peak counts the measured workspace; the budget's base does not).
+        of = (
+            f"this graph's peak {without}"
+            if reference == plan_.peak_bytes_unplanned
+            else f"the {format_bytes(reference)} ({reference} bytes) a percentage budget is of"
         )
+        reach = f"The lowest budget that runs is memory_budget='{percent}' of {of}, or memory_budget={lowest} (bytes)."
     if reach_override is not None:
         reach = reach_override
     remedies = ["raise memory_budget"]
