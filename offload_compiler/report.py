@@ -455,8 +455,11 @@ class TrinityReport:
             # The measurement is of the pair's own run: its share is what the rest leaves.
             share = None if self.budget_bytes is None else self.budget_bytes - self.held_bytes - self.reuse_held_bytes
             over = share is not None and self.measured_peak_bytes > share
+            # After a replan the measurement is of the new plan's first step; the first step of
+            # the first plan is the correction line's (a fresh-user trial read the two as one).
+            which = "this plan's first step" if self.correction is not None else "the first measured step"
             lines.append(
-                f"  measured   {format_bytes(self.measured_peak_bytes)} peak in the first measured step "
+                f"  measured   {format_bytes(self.measured_peak_bytes)} peak in {which} "
                 f"(planned {format_bytes(self.peak_bytes_planned - self.held_bytes - self.reuse_held_bytes)} for "
                 "its own run)"
                 + (
@@ -472,7 +475,7 @@ class TrinityReport:
             where = ", ".join(f"{node} ({op}) +{format_bytes(b)}" for node, op, b in top)
             lines.append(
                 f"  corrected  replanned {c.replans}x after measuring {format_bytes(c.first_measured_peak_bytes)} "
-                f"(planned {format_bytes(c.first_planned_peak_bytes)}): "
+                f"in the first step (planned {format_bytes(c.first_planned_peak_bytes)}): "
                 + (f"{c.reuse_count} runs per step, " if c.reuse_count > 1 else "")
                 + f"workspace margins at {len(c.margins)} nodes, {format_bytes(c.total_margin_bytes)} in all"
                 + (f" ({where})" if where else "")

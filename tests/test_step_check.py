@@ -112,7 +112,14 @@ def test_scratch_workspace_is_measured_and_replanned(inner):
     assert r.peak_bytes_planned <= r.budget_bytes
     assert _measure(sbs, batch) <= r.budget_bytes + PEAK_SLACK_BYTES
     sbs.step(batch)
-    assert "measured" in r.summary() and "corrected" in r.summary()
+    # Which step each figure is of: the corrected plan's first step, and the first plan's.
+    from offload_compiler.options import format_bytes
+
+    text = r.summary()
+    assert f"measured   {format_bytes(r.measured_peak_bytes)} peak in this plan's first step" in text, text
+    assert (
+        f"corrected  replanned 1x after measuring {format_bytes(c.first_measured_peak_bytes)} in the first step" in text
+    )
 
 
 def test_without_the_check_the_scratch_breaks_the_budget():
