@@ -66,7 +66,7 @@ import offload_compiler
 
 from .common import RESULTS, OtherLoad, write_result
 from .memory import measure_peak
-from .methods import CheckpointBlock, Prepared, fresh_copy
+from .methods import CheckpointBlock, Prepared, fresh_copy, inductor_with_functorch_config
 from .models import get_model
 from .runner import train_step
 
@@ -139,8 +139,7 @@ def cpu_methods(spec) -> list[dict]:
                 "budget": f,
                 "prepare": functools.partial(
                     lambda m, f: Prepared(
-                        torch.compile(m, backend="inductor"),
-                        lambda: torch._functorch.config.patch(activation_memory_budget=f),
+                        torch.compile(m, backend=inductor_with_functorch_config(activation_memory_budget=f))
                     ),
                     f=f,
                 ),
