@@ -366,23 +366,29 @@ def test_solver_time_limit_option_reaches_the_solver(mlp, monkeypatch):
     from offload_compiler import pipeline
     from offload_compiler.options import TrinityOptions
 
-    limits = []
+    limits, took = [], []
     solve = plan_recompute._Model.solve
 
     def recording(self, time_limit, hard_limit=None, mip_start=None):
         limits.append(time_limit)
-        return solve(self, time_limit, hard_limit, mip_start)
+        t0 = time.perf_counter()
+        try:
+            return solve(self, time_limit, hard_limit, mip_start)
+        finally:
+            took.append(time.perf_counter() - t0)
 
     monkeypatch.setattr(plan_recompute._Model, "solve", recording)
     for limit in (0.5, 8.0):
         limits.clear()
+        took.clear()
         opts = TrinityOptions.from_user(
             {"memory_budget": "75%", "inner": "eager", "min_offload_bytes": 0, "solver_time_limit": limit}, env={}
         )
         plan = pipeline.plan_pair(mlp, opts, spec=SLOW_LINK)
         assert plan.joint.recompute.solver == "highs"
         assert 0.25 * limit - 0.05 < limits[0] <= 0.25 * limit, limits
-        assert 0.75 * limit - 0.05 < limits[1] <= limit, limits
+        # (A loaded machine stretches the first solve past its share: what it took is what is left.)
+        assert limits[1] == pytest.approx(max(0.05, limit - took[0]), abs=0.02), (limits, took)
 
 
 @pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
@@ -392,12 +398,16 @@ def test_joint_program_share_counts_from_its_own_start(mlp, monkeypatch):
     program's solve left) counts from its own start. (It once counted from the first program's
     start: in the GPU frontier run such a pause stopped the Llama preset's joint program at an
     earlier incumbent.)"""
-    limits = []
+    limits, took = [], []
     solve, build = plan_recompute._Model.solve, plan_recompute._build_model
 
     def recording(self, time_limit, hard_limit=None, mip_start=None):
         limits.append(time_limit)
-        return solve(self, time_limit, hard_limit, mip_start)
+        t0 = time.perf_counter()
+        try:
+            return solve(self, time_limit, hard_limit, mip_start)
+        finally:
+            took.append(time.perf_counter() - t0)
 
     def slow_joint(live, costs, offs, chains, budget, use_offload, *args, **kwargs):
         if use_offload:
@@ -409,7 +419,9 @@ def test_joint_program_share_counts_from_its_own_start(mlp, monkeypatch):
     live, costs = analyze(mlp, SLOW_LINK)
     joint = plan_recompute.plan_joint(mlp, live, costs, int(0.75 * live.peak_bytes), "auto", 0, time_limit_s=0.5)
     assert joint.recompute.solver == "highs", joint.recompute.solver_status
-    assert 0.075 < limits[0] <= 0.125 and 0.325 < limits[1] <= 0.5, limits
+    assert 0.075 < limits[0] <= 0.125, limits
+    # The 0.3 s pause is not taken off the joint program's share (it once was: 0.5 - 0.3 - took).
+    assert limits[1] == pytest.approx(max(0.05, 0.5 - took[0]), abs=0.02), (limits, took)
 
 
 @pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
