@@ -46,6 +46,7 @@ def main() -> None:
     a = torch.randn(2048, 256)
     m = torch.randn(256, 256)
     a16 = a.bfloat16()
+    drop_mask = aten.native_dropout.default(a, 0.1, True)[1]
     probes = {
         "convolution (x output)": (
             lambda: aten.convolution.default(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
@@ -75,6 +76,14 @@ def main() -> None:
         "mse_loss mean (x input)": (lambda: aten.mse_loss.default(a, a, 1), a),
         "native_dropout train (x input)": (lambda: aten.native_dropout.default(a, 0.1, True), a),
         "native_dropout train, bf16 (x input)": (lambda: aten.native_dropout.default(a16, 0.1, True), a16),
+        "native_dropout_backward (x grad)": (
+            lambda: aten.native_dropout_backward.default(a, drop_mask, 1 / 0.9),
+            a,
+        ),
+        "native_dropout_backward, bf16 (x grad)": (
+            lambda: aten.native_dropout_backward.default(a16, drop_mask, 1 / 0.9),
+            a16,
+        ),
     }
     print(f"torch {torch.__version__}, device cpu")
     loss = aten.mse_loss.default(a, a, 1)

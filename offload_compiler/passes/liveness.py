@@ -397,6 +397,10 @@ _WORKSPACE = {
     # makes the mask and output from it (fp32 and bf16 alike). A fresh-user trial's MLP with
     # dropout (inner="eager") measured 4 MiB per call above its plan at the first step.
     torch.ops.aten.native_dropout.default: (0, 1.0),
+    # grad * mask * scale with the bool mask converted to grad's dtype first (fp32 and bf16
+    # alike): a second fresh-user trial's attention blocks measured 12 MiB per call above the
+    # plan at the first step of every new size (dynamic shapes), replanned only after it.
+    torch.ops.aten.native_dropout_backward.default: (0, 1.0),
 }
 
 # Outputs whose real storage is larger than their fake value's: op -> (argument index, factor of
