@@ -1140,7 +1140,17 @@ def step_report(module: torch.nn.Module) -> StepReport | None:
     compile) the ledgers are the blocks' (where each pair compiled): the report gathers those of
     ``module``'s submodules, in module order, with each pair's held bytes as planned (a reused
     block graph's include its earlier runs and the other blocks' pairs that its first step showed
-    beside it)."""
+    beside it).
+
+    Raises:
+        TypeError: when ``module`` is not an ``nn.Module`` (a compiled function: pass the module
+            whose forward it calls).
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"step_report: expected the nn.Module given to torch.compile (or its DDP wrapper), got "
+            f"{type(module).__name__}; for a compiled function, pass the module whose forward it calls"
+        )
     for m in (module, getattr(module, "module", None), getattr(module, "_orig_mod", None)):
         ledger = getattr(m, LEDGER_ATTR, None) if m is not None else None
         if isinstance(ledger, StepLedger):

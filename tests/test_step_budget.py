@@ -1111,3 +1111,11 @@ def test_gradients_freed_by_zero_grad_are_no_longer_counted():
     model.zero_grad(set_to_none=True)
     m = measure_peak_device_bytes(step, resident=list(model.parameters()) + [x], device="cpu")
     assert m.peak_bytes <= 17_000_000 + PEAK_SLACK_BYTES
+
+
+def test_step_report_of_a_compiled_function_says_what_to_pass():
+    """A second fresh-user trial passed the compiled function: AttributeError ('function' object
+    has no attribute 'modules'). Now a TypeError that says to pass the module."""
+    compiled = torch.compile(lambda x: x.sin(), backend="trinity")
+    with pytest.raises(TypeError, match="step_report: expected the nn.Module given to torch.compile .* got function"):
+        step_report(compiled)
