@@ -1464,6 +1464,11 @@ class CompileSession:
                 unplanned_peak_bytes=base if base is not None else the_plan.liveness.peak_bytes,
                 reach_override=reach,
                 strategy=opts.strategy,
+                base_label=(
+                    f"the {format_bytes(base)} ({base} bytes) a percentage budget is of"
+                    if base is not None and base != the_plan.liveness.peak_bytes
+                    else None
+                ),
             )
             message += plan_recompute.infeasible_note(joint.recompute, outside_bytes if in_step else 0)
             if in_step and self.step is not None and any(k != self.step.key for k in self.step.ledger.keys()):

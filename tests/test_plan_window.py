@@ -187,7 +187,10 @@ def test_describe_infeasible_names_budget_lowest_and_dominant_kind(mlp4):
     # A percentage's base other than the peak shown (a replan with measured op workspace: the
     # budget is of the peak without it): the percentage is of that base, and the text says so
     # (a fresh-user trial was told '61.2%' of the larger peak, which was refused).
-    text = plan_window.describe_infeasible(plan, live, "50% of 1700 bytes", 0, unplanned_peak_bytes=1700)
+    text = plan_window.describe_infeasible(
+        plan, live, "50% of 1700 bytes", 0, unplanned_peak_bytes=1700,
+        base_label="the 1.66 KiB (1700 bytes) a percentage budget is of",
+    )  # fmt: skip
     assert "1.82 KiB without offloading" in text  # the peak shown stays the plan's
     # 1476 / 1700 = 86.8%, rounded up so that it resolves to at least 1476 bytes.
     assert "memory_budget='86.9%' of the 1.66 KiB (1700 bytes) a percentage budget is of" in text

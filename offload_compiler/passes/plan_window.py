@@ -620,6 +620,7 @@ def describe_infeasible(
     unplanned_peak_bytes: int | None = None,
     reach_override: str | None = None,
     strategy: str = "offload",
+    base_label: str | None = None,
 ) -> str:
     """The error text for a budget no plan reaches: the budget, the lowest reachable peak (in
     bytes and as the ``memory_budget`` percentage that reaches it, see
@@ -635,7 +636,9 @@ def describe_infeasible(
     ``unplanned_peak_bytes``: the peak a percentage budget is a fraction of (default: the plan's
     unplanned peak; with parameter offload, the peak with every parameter resident).
     ``reach_override``: replaces the sentence naming the lowest budget that runs (a pair of a
-    multi-graph training step states it as a fraction of the step's peak instead)."""
+    multi-graph training step states it as a fraction of the step's peak instead).
+    ``base_label``: what ``unplanned_peak_bytes`` is, where it is not this graph's peak without
+    offloading (a replan with measured op workspace: the peak without that workspace)."""
     parts = ", ".join(
         f"{kind} {format_bytes(b)} ({100 * b / max(1, plan_.lowest_reachable_peak_bytes):.0f}%)"
         for kind, b in plan_.peak_breakdown
@@ -676,13 +679,7 @@ def describe_infeasible(
             f"budget that runs is memory_budget='100%' ({format_bytes(reference)}, {reference} bytes)."
         )
     else:
-        # The percentage is of the base the budget's percentage is of, which may not be the peak
-        # shown (a replan's peak counts the measured workspace; the budget's base does not).
-        of = (
-            f"this graph's peak {without}"
-            if reference == plan_.peak_bytes_unplanned
-            else f"the {format_bytes(reference)} ({reference} bytes) a percentage budget is of"
-        )
+        of = base_label or f"this graph's peak {without}"
         reach = f"The lowest budget that runs is memory_budget='{percent}' of {of}, or memory_budget={lowest} (bytes)."
     if reach_override is not None:
         reach = reach_override
