@@ -1261,11 +1261,11 @@ class CheckedCompile:
             if not ((missed or refused is not None) and str(w.message).startswith("trinity: memory_budget")):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if not missed:
-            self._cap_tried = cap if session is None or refused is not None else self._cap_tried
+            if session is None or refused is not None:
+                self._cap_tried = cap  # (not tried again)
             if refused is not None:
                 raise refused
             return
-        self._cap_tried = cap
         # The later pair was planned for the cap: count what this pair keeps instead, so that the
         # step's report and the later pairs' holdings say what the step holds.
         kept = holding.kept_bytes
@@ -1311,12 +1311,8 @@ class CheckedCompile:
 
         old_report = self.report
         try:
-            if on_infeasible is None:
-                compiled = self._recompile(self._margins, self._session.reuse, self._grad_bytes)
-            else:
-                compiled = self._recompile(
-                    self._margins, self._session.reuse, self._grad_bytes, on_infeasible=on_infeasible
-                )
+            extra = {} if on_infeasible is None else {"on_infeasible": on_infeasible}
+            compiled = self._recompile(self._margins, self._session.reuse, self._grad_bytes, **extra)
         except InfeasibleBudgetError as exc:
             text = str(exc).removeprefix("trinity: ")
             raise InfeasibleBudgetError(f"trinity graph {old_report.graph_id}: planned again {why}: {text}") from exc
