@@ -358,14 +358,8 @@ def test_solver_used_and_bounded_by_its_time_limit(mlp):
     assert rp.solver_seconds < 2.0  # two solves, each under the limit left (plus model building)
 
 
-@pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
-def test_solver_time_limit_option_reaches_the_solver(mlp, monkeypatch):
-    """The backend's ``solver_time_limit`` (and ``plan --solver-time-limit``, the same spine) is
-    the joint planner's limit: the recompute-only program gets at most a quarter of it, the joint
-    one what the first program's solve left."""
-    from offload_compiler import pipeline
-    from offload_compiler.options import TrinityOptions
-
+def _record_solves(monkeypatch):
+    """``(limits, took)``: each solve's time limit and the seconds it took, in call order."""
     limits, took = [], []
     solve = plan_recompute._Model.solve
 
@@ -378,6 +372,18 @@ def test_solver_time_limit_option_reaches_the_solver(mlp, monkeypatch):
             took.append(time.perf_counter() - t0)
 
     monkeypatch.setattr(plan_recompute._Model, "solve", recording)
+    return limits, took
+
+
+@pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
+def test_solver_time_limit_option_reaches_the_solver(mlp, monkeypatch):
+    """The backend's ``solver_time_limit`` (and ``plan --solver-time-limit``, the same spine) is
+    the joint planner's limit: the recompute-only program gets at most a quarter of it, the joint
+    one what the first program's solve left."""
+    from offload_compiler import pipeline
+    from offload_compiler.options import TrinityOptions
+
+    limits, took = _record_solves(monkeypatch)
     for limit in (0.5, 8.0):
         limits.clear()
         took.clear()
@@ -398,23 +404,14 @@ def test_joint_program_share_counts_from_its_own_start(mlp, monkeypatch):
     program's solve left) counts from its own start. (It once counted from the first program's
     start: in the GPU frontier run such a pause stopped the Llama preset's joint program at an
     earlier incumbent.)"""
-    limits, took = [], []
-    solve, build = plan_recompute._Model.solve, plan_recompute._build_model
-
-    def recording(self, time_limit, hard_limit=None, mip_start=None):
-        limits.append(time_limit)
-        t0 = time.perf_counter()
-        try:
-            return solve(self, time_limit, hard_limit, mip_start)
-        finally:
-            took.append(time.perf_counter() - t0)
+    limits, took = _record_solves(monkeypatch)
+    build = plan_recompute._build_model
 
     def slow_joint(live, costs, offs, chains, budget, use_offload, *args, **kwargs):
         if use_offload:
             time.sleep(0.3)
         return build(live, costs, offs, chains, budget, use_offload, *args, **kwargs)
 
-    monkeypatch.setattr(plan_recompute._Model, "solve", recording)
     monkeypatch.setattr(plan_recompute, "_build_model", slow_joint)
     live, costs = analyze(mlp, SLOW_LINK)
     joint = plan_recompute.plan_joint(mlp, live, costs, int(0.75 * live.peak_bytes), "auto", 0, time_limit_s=0.5)
