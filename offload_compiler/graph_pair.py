@@ -100,6 +100,23 @@ class GraphPair:
         return links
 
 
+def called_op(node: fx.Node) -> tuple[object, tuple, dict]:
+    """``(target, args, kwargs)`` of the op ``node`` runs: the node's own, except for the
+    random-number-state wrappers (``torch/_prims/rng_prims.py``), which run the op they are given:
+    ``run_and_save_rng_state(op, *args, **kwargs)`` and ``run_with_rng_state(state, op, *args,
+    **kwargs)`` give ``(op, args, kwargs)``. The op's workspace (:mod:`.passes.liveness`) and its
+    key in a measured step (:mod:`.passes.margins`; the profiler sees the op inside the wrapper)
+    are the wrapped op's."""
+    if node.op == "call_function":
+        from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+        if node.target is run_and_save_rng_state and node.args:
+            return node.args[0], tuple(node.args[1:]), dict(node.kwargs)
+        if node.target is run_with_rng_state and len(node.args) > 1:
+            return node.args[1], tuple(node.args[2:]), dict(node.kwargs)
+    return node.target, tuple(node.args), dict(node.kwargs)
+
+
 def is_rng_state(node: fx.Node) -> bool:
     """Whether ``node`` is the random-number-generator state that activation checkpointing's
     ``run_and_save_rng_state`` returns at index 0 (saved for the backward's recomputation).

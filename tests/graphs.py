@@ -77,3 +77,31 @@ def mlp_pair(batch: int = 64, width: int = 32, depth: int = 2) -> GraphPair:
         return h.sum()
 
     return capture_pair(fn, *weights, x, static=tuple(range(depth)))
+
+
+def dynamo_pair(fn, *inputs):
+    """The (forward, backward) pair the backend's partitioner sees for ``fn`` captured by Dynamo
+    (activation checkpointing only becomes its higher-order op, with RNG-state wrappers for
+    random ops, under Dynamo)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from offload_compiler.graph_pair import GraphPair, fill_tuple_vals
+
+    box = {}
+
+    def partition(joint, joint_inputs, **kw):
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kw)
+        fill_tuple_vals(fw)
+        fill_tuple_vals(bw)
+        box["pair"] = GraphPair(fw, bw, kw["num_fwd_outputs"], tuple(kw.get("static_lifetime_input_indices") or ()))
+        return fw, bw
+
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        fn, backend=aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
+    )
+    compiled(*inputs).backward()
+    torch._dynamo.reset()
+    return box["pair"]

@@ -28,6 +28,7 @@ from ._pass_helpers import (
     tanh_mm_inputs,
     tanh_mm_pair,
 )
+from .graphs import dynamo_pair
 
 # name: (pair maker taking a device, inputs maker, budget)
 CASES = {
@@ -293,34 +294,6 @@ def test_rejects_graphs_that_do_not_match_the_liveness():
         insert_transfers.apply(other, liveness.analyze(mlp4_pair()), plan, rt.id)
 
 
-def _dynamo_pair(fn, *inputs):
-    """The (forward, backward) pair the backend's partitioner sees for ``fn`` captured by Dynamo
-    (activation checkpointing only becomes its higher-order op, with RNG-state wrappers for
-    random ops, under Dynamo)."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    from offload_compiler.graph_pair import GraphPair, fill_tuple_vals
-
-    box = {}
-
-    def partition(joint, joint_inputs, **kw):
-        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kw)
-        fill_tuple_vals(fw)
-        fill_tuple_vals(bw)
-        box["pair"] = GraphPair(fw, bw, kw["num_fwd_outputs"], tuple(kw.get("static_lifetime_input_indices") or ()))
-        return fw, bw
-
-    torch._dynamo.reset()
-    compiled = torch.compile(
-        fn, backend=aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
-    )
-    compiled(*inputs).backward()
-    torch._dynamo.reset()
-    return box["pair"]
-
-
 def _attention(q, k, v, w):
     import torch.nn.functional as F
 
@@ -342,7 +315,7 @@ def _fence_pair(fn):
     torch.manual_seed(0)
     w = torch.randn(8, 8, requires_grad=True)
     q, k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(3))
-    pair = _dynamo_pair(fn, q, k, v, w)
+    pair = dynamo_pair(fn, q, k, v, w)
     live, _costs, plan = make_plan(pair, EVERY)
     assert plan.evictions
     rt = TransferRuntime(torch.device("cpu"), 1 << 30)

@@ -48,13 +48,21 @@ __all__ = [
 
 
 def tensor_vals(node: fx.Node) -> list[torch.Tensor]:
-    """The tensors in ``node.meta["val"]`` (one for most ops, several for tuple outputs)."""
-    val = node.meta.get("val")
+    """The tensors in ``node.meta["val"]`` (one for most ops, several for tuple outputs, in the
+    order of the flattened, possibly nested, tuple)."""
+    return list(_flat_tensors(node.meta.get("val")))
+
+
+def _flat_tensors(val):
+    # Nested tuples too: ``run_and_save_rng_state(op, ...)`` returns ``(state, op's result)``, and
+    # the result of a multi-output op (``native_dropout``) is a tuple itself. Counting only the
+    # first level left its outputs out of the plan at the op's step: a recomputed dropout's output
+    # and mask were counted from their getitem on, after the events the stream pass puts between.
     if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [v for v in val if isinstance(v, torch.Tensor)]
-    return []
+        yield val
+    elif isinstance(val, (tuple, list)):
+        for v in val:
+            yield from _flat_tensors(v)
 
 
 def hint_int(value) -> int:

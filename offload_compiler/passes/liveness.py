@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..graph_pair import GraphPair, hint_int, is_rng_state, tensor_vals
+from ..graph_pair import GraphPair, called_op, hint_int, is_rng_state, tensor_vals
 from ..ir.alias import plain_tensors, schema_view_of, span_bytes, tensor_span_bytes
 from ..ir.meta import TARGET_DEVICE_KEY
 from ..ir.ops import EVICT, PARAM_FETCH, PARAM_RELEASE, PREFETCH
@@ -425,14 +425,19 @@ def _output_storage_floor(node: fx.Node) -> int:
 
 def _workspace(node: fx.Node) -> int:
     """Transient bytes of ``node`` from :data:`_WORKSPACE` (0 for ops not listed)."""
-    if node.op != "call_function" or node.target not in _WORKSPACE:
+    if node.op != "call_function":
         return 0
-    which, factor = _WORKSPACE[node.target]
+    target, args, _ = called_op(node)  # a random op under an RNG-state wrapper: the op's
+    if target not in _WORKSPACE:
+        return 0
+    which, factor = _WORKSPACE[target]
     if which < 0:
         vals = tensor_vals(node)
+        if target is not node.target and len(vals) > 1:
+            vals = vals[1:]  # run_and_save_rng_state: (state, result)
         t = vals[0] if vals else None
     else:
-        arg = node.args[which] if which < len(node.args) else None
+        arg = args[which] if which < len(args) else None
         t = arg.meta.get("val") if isinstance(arg, fx.Node) else None
     if not isinstance(t, torch.Tensor):
         return 0

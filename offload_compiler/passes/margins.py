@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..graph_pair import hint_int
+from ..graph_pair import called_op, hint_int
 
 __all__ = ["OpKey", "TensorKey", "WorkspaceMargins", "op_key", "matches"]
 
@@ -49,16 +49,20 @@ def _flat(value) -> Iterable:
 
 def op_key(node: fx.Node) -> OpKey | None:
     """The :data:`OpKey` of a ``call_function`` node of an ``OpOverload`` (``None`` for anything
-    else: placeholders, ``getitem``, higher-order ops)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    else: placeholders, ``getitem``, higher-order ops), or of the op a random-number-state wrapper
+    runs (:func:`~offload_compiler.graph_pair.called_op`: the profiler sees that op)."""
+    if node.op != "call_function":
         return None
-    schema = node.target._schema
+    target, args, kwargs = called_op(node)
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    schema = target._schema
     tensors: list[TensorKey] = []
     for i, arg in enumerate(schema.arguments):
-        if i < len(node.args):
-            value = node.args[i]
-        elif arg.name in node.kwargs:
-            value = node.kwargs[arg.name]
+        if i < len(args):
+            value = args[i]
+        elif arg.name in kwargs:
+            value = kwargs[arg.name]
         else:
             continue
         for v in _flat(value):
