@@ -954,10 +954,12 @@ class CompileSession:
         # that is the earlier pairs' kept saved activations.
         self.step_ledger_held: tuple[int, int, int] = (0, 0, 0)
         self.step_ledger_held_kept = 0
-        # The part of both that is later pairs' inputs there from the step's start
-        # (StepLedger.later_input_bytes): a later pair's compile can raise it; the runtime check
-        # then plans this pair again (step_check.CheckedCompile).
+        # The parts of both that are later pairs' inputs there from the step's start and their
+        # outputs the caller held at this pair's backward (StepLedger.later_input_bytes,
+        # later_output_bytes): a later pair's compile or the runtime check can raise them; the
+        # runtime check then plans this pair again (step_check.CheckedCompile).
         self.step_later_bytes = 0
+        self.step_later_parts: tuple[int, int] = (0, 0)
         # How often the pair runs at once in one step and what runs beside it, as the runtime
         # check measured the first step (step_budget.StepReuse; set by the backend's recompile).
         self.reuse = None
@@ -999,9 +1001,15 @@ class CompileSession:
         cap = None
         self.step_held_kept = 0
         if self.step is not None:
+            if self.step.split is None:  # (DDP splits pass their outputs on: step_budget)
+                self.step.ledger.set_pair_outputs(self.step.key, liveness.loss_output_bytes(pair))
             ledger = self.step.holdings(self.options.offload)
             ledger_kept = self.step.ledger.earlier_kept(self.step.key)
-            self.step_later_bytes = self.step.ledger.later_input_bytes(self.step.key)
+            self.step_later_parts = (
+                self.step.ledger.later_input_bytes(self.step.key),
+                self.step.ledger.later_output_bytes(self.step.key),
+            )
+            self.step_later_bytes = sum(self.step_later_parts)
             if self.options.memory_budget.kind in ("bytes", "fraction"):
                 held, self.step_held_kept = ledger, ledger_kept
                 if self.options.offload == "activations":
@@ -1249,7 +1257,7 @@ class CompileSession:
             self.step_ledger_held,
             self.step_ledger_held_kept,
             self.options.min_offload_bytes,
-            self.step_later_bytes,
+            self.step_later_parts,
         )
         opts = self.options
         ledger = self.step.ledger

@@ -30,6 +30,17 @@ counts:
   them at its next call (the next step's start; the first step runs the old plan), and the
   step's check at its last pair (a percentage: its base includes them) judges the earlier pairs
   at the plans those replans will make (their lowest-peak plans where the budget is below them);
+* the outputs of **later** pairs that the caller holds through the earlier pairs' backwards: the
+  loss it calls ``backward()`` on (``mse_loss`` keeps its scalar in a storage of its input's
+  size), logits returned with it. Predicted at each compile as the loss the step's last pair so
+  far returns (its one-element outputs' storages, :func:`~.passes.liveness.loss_output_bytes`;
+  dropped for a pair once another compiles after it, which it passes its outputs to; logits may
+  or may not be held, ``model(**batch).loss.backward()`` drops them first), and measured by the
+  earlier pair's runtime check when its backward starts (the later pairs' latest outputs still
+  alive, :meth:`StepLedger.later_outputs_alive`); the larger counts, from
+  :data:`MIN_HELD_OUTPUT_BYTES` on, and an earlier pair planned without them is planned again at
+  its next call, as for the later pairs' inputs. Not for DDP splits (their outputs are the next
+  split's inputs; the model's output that the caller keeps is not counted there);
 * the pair's **own** parameters' gradients, when an earlier backward left them for this one to
   accumulate into (DDP's ``no_sync()`` micro-steps, ``zero_grad(set_to_none=False)``): held from
   the pair's forward on (:func:`accumulated_grad_bytes`). The compile sees them when they exist
@@ -111,7 +122,7 @@ one by one and run outside any module gathers the blocks' ledgers.
 
 **What it does not cover** (see README "Distributed"): memory outside the compiled graphs (eager
 code between them, the optimizer's state, the inputs that only a later DDP split reads (a split's
-inputs are fake at its compile), FSDP2's all-gather and reduce-scatter buffers; FSDP2's
+inputs are fake at its compile), the model's output that the caller holds under DDP's splits, FSDP2's all-gather and reduce-scatter buffers; FSDP2's
 sharded parameters and gradients count as their local shards); pairs that do not run in compile order (except the runs of other pairs that
 the first step's check sees beside a pair's run); a reused pair's ``N`` is predicted at its
 compile where the module structure shows it, else (and where the prediction was wrong) what the
@@ -149,6 +160,9 @@ __all__ = [
 ]
 
 LEDGER_ATTR = "_trinity_step_ledger"
+# Later pairs' outputs held by the caller below this many bytes in all (a loss scalar) are not
+# counted: a replan of the earlier pairs for them buys nothing (step_check.MIN_TRANSIENT_BYTES).
+MIN_HELD_OUTPUT_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -237,10 +251,19 @@ class PairHolding:
             inputs of later pairs that exist from the step's start (:meth:`StepLedger.later_input_bytes`)
             when it was planned; :meth:`StepLedger.report` replaces it with what the ledger knows now
             (a later pair compiles after this one: its inputs become known then).
+        later_output_bytes: the part of ``held_bytes`` (and of ``held_unplanned_bytes``) that is the
+            outputs of later pairs that the caller still held when the pair's backward started (the
+            loss, logits: :meth:`StepLedger.later_output_bytes`, measured by the runtime check) when
+            it was planned; :meth:`StepLedger.report` replaces it with what the ledger knows now.
         own_lowest_peak_bytes: the pair's own peak under its lowest-peak plan (``None``: not known):
             what the step's check predicts for it where it is to be planned again for more held bytes.
-        later_inputs_due: filled in by :meth:`StepLedger.report`: later pairs' inputs now known
-            hold more than its plan counted, and its runtime check plans it again at its next call
+        own_measured_peak_bytes: filled in by :meth:`StepLedger.report`: the pair's own peak as its
+            runtime check measured its current plan's first step (``Report.measured_peak_bytes``;
+            ``None``: not measured yet, or no check).
+        measured_replan_due: filled in by :meth:`StepLedger.report`: that measurement is above
+            the plan and the runtime check plans the pair again at its next call.
+        later_inputs_due: filled in by :meth:`StepLedger.report`: later pairs' inputs (and held
+            outputs) now known hold more than its plan counted, and its runtime check plans it again at its next call
             (:meth:`StepLedger.can_replan`; where it cannot, the held bytes count them all the same).
     """
 
@@ -260,8 +283,11 @@ class PairHolding:
     kept_cap_bytes: int | None = None
     capped_for: str | None = None
     later_input_bytes: int = 0
+    later_output_bytes: int = 0
     own_lowest_peak_bytes: int | None = None
     later_inputs_due: bool = False
+    own_measured_peak_bytes: int | None = None
+    measured_replan_due: bool = False
 
     @property
     def step_peak_bytes(self) -> int:
@@ -272,6 +298,12 @@ class PairHolding:
     @property
     def step_unplanned_peak_bytes(self) -> int:
         return self.own_unplanned_peak_bytes + self.held_unplanned_bytes
+
+    @property
+    def step_measured_peak_bytes(self) -> int | None:
+        """The step's peak while this pair runs with its own peak as measured (its runtime
+        check) and what the others hold as planned (``None``: not measured)."""
+        return None if self.own_measured_peak_bytes is None else self.own_measured_peak_bytes + self.held_bytes
 
 
 @dataclass(frozen=True)
@@ -284,22 +316,53 @@ class StepReport:
         predicted_peak_bytes: the largest :attr:`PairHolding.step_peak_bytes`.
         unplanned_peak_bytes: the largest :attr:`PairHolding.step_unplanned_peak_bytes`.
         pairs: per pair, in forward order.
+        measured_peak_bytes: the largest :attr:`PairHolding.step_measured_peak_bytes` of the
+            pairs measured (``None``: none measured yet).
     """
 
     budget_bytes: int | None
     predicted_peak_bytes: int
     unplanned_peak_bytes: int
     pairs: tuple[PairHolding, ...]
+    measured_peak_bytes: int | None = None
 
     @property
     def within_budget(self) -> bool:
-        return self.budget_bytes is None or self.predicted_peak_bytes <= self.budget_bytes
+        """Whether the predicted peak and, where measured, the measured one (each pair's own
+        measured peak with what the others are planned to hold) are within the budget; a
+        measurement may be above it by less than :data:`MIN_HELD_OUTPUT_BYTES` (the allocator's
+        bookkeeping: a wrapped scalar, a shape buffer, which the plan does not count)."""
+        return self.budget_bytes is None or (
+            self.predicted_peak_bytes <= self.budget_bytes and not self.measured_above_budget
+        )
+
+    @property
+    def measured_above_budget(self) -> bool:
+        """Whether a pair's measured step peak is above the budget by :data:`MIN_HELD_OUTPUT_BYTES`
+        or more."""
+        m = self.measured_peak_bytes
+        return self.budget_bytes is not None and m is not None and m >= self.budget_bytes + MIN_HELD_OUTPUT_BYTES
 
     def summary(self) -> str:
         budget = "no limit" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+        measured = ""
+        if self.measured_peak_bytes is not None:
+            measured = (
+                f"; measured {format_bytes(self.measured_peak_bytes)} (each pair's own peak in its plan's first step)"
+            )
+            if self.measured_above_budget:
+                due = any(
+                    p.measured_replan_due
+                    for p in self.pairs
+                    if (p.step_measured_peak_bytes or 0) >= self.budget_bytes + MIN_HELD_OUTPUT_BYTES
+                )
+                measured += f": ABOVE the budget, {self.measured_peak_bytes} > {self.budget_bytes} bytes" + (
+                    " (planned again at the next call)" if due else " (the runtime check's warning says why)"
+                )
         lines = [
             f"training step: {len(self.pairs)} graph pair(s), budget {budget}, predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)} (unplanned {format_bytes(self.unplanned_peak_bytes)})"
+            + measured
         ]
         for p in self.pairs:
             runs = (
@@ -317,15 +380,19 @@ class StepReport:
                 )
             if p.later_inputs_due:
                 runs += (
-                    f" [to be replanned at its next call: later pairs' inputs hold "
-                    f"{format_bytes(p.later_input_bytes)} beside it]"
+                    f" [to be replanned at its next call: later pairs' inputs and held outputs hold "
+                    f"{format_bytes(p.later_input_bytes + p.later_output_bytes)} beside it]"
                 )
             parts = []
             if p.held_kept_bytes:
                 parts.append(f"{format_bytes(p.held_kept_bytes)} saved activations that earlier pairs or runs keep")
             if p.later_input_bytes:
                 parts.append(f"{format_bytes(p.later_input_bytes)} inputs of later pairs, there from the step's start")
-            rest = p.held_bytes - p.held_kept_bytes - p.later_input_bytes
+            if p.later_output_bytes:
+                parts.append(
+                    f"{format_bytes(p.later_output_bytes)} outputs of later pairs that the caller held at its backward"
+                )
+            rest = p.held_bytes - p.held_kept_bytes - p.later_input_bytes - p.later_output_bytes
             if parts and rest > 0:
                 parts.append(f"{format_bytes(rest)} other parameters, gradients, buckets and inputs")
             later = f" (of which {'; '.join(parts)})" if parts else ""
@@ -336,6 +403,12 @@ class StepReport:
                 f"{format_bytes(p.input_bytes)} of inputs, reads "
                 f"{format_bytes(p.param_bytes)} of parameters; the others hold {format_bytes(p.held_bytes)}{later} "
                 f"while it runs: step peak {format_bytes(p.step_peak_bytes)}"
+                + (
+                    f" (measured own peak {format_bytes(p.own_measured_peak_bytes)}: step "
+                    f"{format_bytes(p.step_measured_peak_bytes)})"
+                    if p.own_measured_peak_bytes is not None
+                    else ""
+                )
             )
         return "\n".join(lines)
 
@@ -408,6 +481,9 @@ class StepLedger:
         # for), and the pairs whose runtime check can plan them again with a cap (set_caps).
         self._caps: dict[Any, tuple[int, str]] = {}
         self._replanners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # Pair key -> its runtime check (step_check.CheckedCompile; weakly), whose measured first
+        # step the report shows (register_checker).
+        self._checkers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         # Pair key -> device bytes of its inputs that exist from the step's start (not made by
         # an earlier pair, not read by one): held while every earlier pair runs (set_later_inputs).
         self._later_inputs: dict[Any, int] = {}
@@ -415,6 +491,14 @@ class StepLedger:
         # the tensor, storage address)), by which a later pair's compile tells its inputs made or
         # read in the step from those there from its start (note_call).
         self._io: dict[Any, tuple[tuple[Any, int], ...]] = {}
+        # Pair key -> the storages of its latest call's outputs (note_call), and pair key -> the
+        # most device bytes of later pairs' outputs found alive when its backward started
+        # (set_later_outputs): the caller holds them through the earlier pairs' backwards.
+        self._outputs: dict[Any, tuple[tuple[Any, int], ...]] = {}
+        self._later_outputs: dict[Any, int] = {}
+        # Pair key -> device bytes of its forward's outputs, predicted held by the caller through
+        # the earlier pairs' backwards while it is the step's last pair (set_pair_outputs).
+        self._last_outputs: dict[Any, int] = {}
 
     def belongs_to(self, root: torch.nn.Module) -> bool:
         return self._root() is root
@@ -489,6 +573,20 @@ class StepLedger:
         """Pair ``key`` can be planned again with a cap at its next call, by ``replanner`` (its
         :class:`~offload_compiler.step_check.CheckedCompile`; held weakly)."""
         self._replanners[key] = replanner
+
+    def register_checker(self, key: Any, checker: Any) -> None:
+        """Pair ``key``'s runtime check (its :class:`~offload_compiler.step_check.CheckedCompile`,
+        held weakly): :meth:`report` shows what it measured."""
+        self._checkers[key] = checker
+
+    def _measured(self, key: Any) -> tuple[int | None, bool]:
+        """(pair ``key``'s own measured peak under its current plan, whether its runtime check
+        plans it again at its next call) from its registered check."""
+        checker = self._checkers.get(key)
+        report = getattr(checker, "report", None) if checker is not None else None
+        if report is None:
+            return None, False
+        return report.measured_peak_bytes, bool(getattr(checker, "replan_due", False))
 
     def can_replan(self, key: Any) -> bool:
         """Whether pair ``key``'s runtime check can plan it again (:meth:`register_replanner`)."""
@@ -569,11 +667,92 @@ class StepLedger:
         else:
             self._later_inputs.pop(key, None)
 
-    def note_call(self, key: Any, refs: tuple) -> None:
+    def later_output_bytes(self, key: Any) -> int:
+        """Device bytes of the later pairs' outputs that the caller holds through pair ``key``'s
+        backward: the loss (``mse_loss`` returns it in a storage of its input's size), logits
+        returned with it. Predicted at the compiles as the loss the step's last pair returns
+        (:meth:`set_pair_outputs`), and the most the runtime check found alive when ``key``'s
+        backward started (:meth:`set_later_outputs`), whichever is larger. The ledger counts them
+        held while pair ``key`` runs, its forward too (conservative)."""
+        predicted = sum(b for k, b in self._last_outputs.items() if self._is_after(k, key))
+        return max(predicted, self._later_outputs.get(key, 0))
+
+    def set_pair_outputs(self, key: Any, nbytes: int) -> None:
+        """Pair ``key`` (compiled now) returns a loss in ``nbytes`` of device storage
+        (:func:`~.passes.liveness.loss_output_bytes`). While no pair of the step is recorded
+        after it, it is the step's last: the caller holds the loss through the backwards of every
+        earlier pair, which count it. A pair that another compiles after passes its outputs on
+        (the next pair's inputs): its prediction is dropped, and what the caller does hold of
+        any pair's outputs (logits too) the runtime check finds (:meth:`set_later_outputs`).
+        Totals below :data:`MIN_HELD_OUTPUT_BYTES` (a plain loss scalar) are not counted."""
+        if nbytes < 0:
+            raise ValueError(f"StepLedger.set_pair_outputs: bytes must be >= 0, got {nbytes}")
+        for k in list(self._last_outputs):
+            if self._is_after(key, k):
+                del self._last_outputs[k]
+        if nbytes >= MIN_HELD_OUTPUT_BYTES and not self.has_later(key):
+            self._last_outputs[key] = nbytes
+        else:
+            self._last_outputs.pop(key, None)
+
+    def later_held_bytes(self, key: Any) -> int:
+        """:meth:`later_input_bytes` + :meth:`later_output_bytes`: what pairs after ``key`` hold
+        while it runs besides their parameters and gradients."""
+        return self.later_input_bytes(key) + self.later_output_bytes(key)
+
+    def set_later_outputs(self, key: Any, nbytes: int) -> None:
+        """The runtime check of pair ``key`` found ``nbytes`` of later pairs' outputs alive when
+        its backward started (:meth:`later_outputs_alive`); the ledger keeps the most seen."""
+        if nbytes < 0:
+            raise ValueError(f"StepLedger.set_later_outputs: bytes must be >= 0, got {nbytes}")
+        if nbytes >= MIN_HELD_OUTPUT_BYTES and nbytes > self._later_outputs.get(key, 0):
+            self._later_outputs[key] = nbytes
+
+    def later_outputs_alive(self, key: Any, device: torch.device) -> int:
+        """Device bytes (on ``device``) of the storages of the outputs that the pairs after
+        ``key`` made at their latest calls and that are alive now, each storage once and whole,
+        leaving out storages that ``key`` or the pairs before it read or made (their own
+        accounting counts them) and the model's parameters'. Called when ``key``'s backward
+        starts: what the caller still holds of the later pairs' results then (the loss it calls
+        ``backward()`` on, logits returned with it) stays alive through it."""
+        mine: set[int] = set()
+        for k, entries in self._io.items():
+            if not self._is_after(k, key):
+                mine.update(ptr for ref, ptr in entries if ref() is not None)
+        root = self._root()
+        if root is not None:
+            for p in root.parameters():
+                try:
+                    mine.add(_local(p).untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):
+                    continue
+        seen: set[int] = set()
+        total = 0
+        for k, entries in self._outputs.items():
+            if not self._is_after(k, key):
+                continue
+            for ref, ptr in entries:
+                t = ref()
+                if t is None or not ptr or ptr in mine or ptr in seen:
+                    continue
+                try:
+                    local = _local(t)
+                    if local.device != device:
+                        continue
+                    nbytes = local.untyped_storage().nbytes()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                seen.add(ptr)
+                total += nbytes
+        return total
+
+    def note_call(self, key: Any, refs: tuple, outputs: tuple = ()) -> None:
         """The storages of pair ``key``'s latest call's inputs and outputs (``refs``,
         :func:`storage_refs` of its tensors other than parameters): a later pair's compile reads
-        them (:meth:`step_storages`)."""
+        them (:meth:`step_storages`); and of its outputs alone (``outputs``): an earlier pair's
+        backward finds those the caller still holds (:meth:`later_outputs_alive`)."""
         self._io[key] = tuple(refs)
+        self._outputs[key] = tuple(outputs)
 
     def step_storages(self, before: Any) -> set[int]:
         """Addresses of the storages that the pairs before ``before`` read or made at their
@@ -602,7 +781,7 @@ class StepLedger:
         percentage budget resolves to the same bytes as the step's check at its last pair."""
         earlier = [e for _k, e in self.earlier(key)]
         params, grads = self._model_state_bytes(own_params, offload, device)
-        base = params + grads + self._bucket_bytes() + self.later_input_bytes(key)
+        base = params + grads + self._bucket_bytes() + self.later_held_bytes(key)
         # An earlier pair run N times per step (a reused block graph) holds N runs' worth.
         inputs = sum(e.input_bytes * e.runs for e in earlier)
         return (
@@ -618,15 +797,17 @@ class StepLedger:
         """Pair ``k``'s entry ``e`` with the later pairs' inputs the ledger knows now in its held
         bytes (a later pair compiled after it was planned), and whether that is more than its plan
         counted (:attr:`PairHolding.later_inputs_due`)."""
-        later = self.later_input_bytes(k)
-        if later == e.later_input_bytes:
+        inputs, outputs = self.later_input_bytes(k), self.later_output_bytes(k)
+        if inputs == e.later_input_bytes and outputs == e.later_output_bytes:
             return e
+        delta = inputs + outputs - e.later_input_bytes - e.later_output_bytes
         return replace(
             e,
-            held_bytes=e.held_bytes - e.later_input_bytes + later,
-            held_unplanned_bytes=e.held_unplanned_bytes - e.later_input_bytes + later,
-            later_input_bytes=later,
-            later_inputs_due=later > e.later_input_bytes and self.can_replan(k),
+            held_bytes=e.held_bytes + delta,
+            held_unplanned_bytes=e.held_unplanned_bytes + delta,
+            later_input_bytes=inputs,
+            later_output_bytes=outputs,
+            later_inputs_due=delta > 0 and self.can_replan(k),
         )
 
     def has_later(self, key: Any) -> bool:
@@ -670,6 +851,7 @@ class StepLedger:
             e = self._now(k, e)
             now = self.earlier_kept(k)
             cap = self._caps.get(k)
+            measured, due = self._measured(k)
             entries.append(
                 replace(
                     e,
@@ -677,11 +859,15 @@ class StepLedger:
                     held_kept_bytes=now,
                     kept_cap_bytes=None if cap is None else cap[0],
                     capped_for=None if cap is None else cap[1],
+                    own_measured_peak_bytes=measured,
+                    measured_replan_due=due,
                 )
             )
         entries = tuple(entries)
         budgets = [e.budget_bytes for e in entries]
+        measured = [e.step_measured_peak_bytes for e in entries if e.step_measured_peak_bytes is not None]
         return StepReport(
+            measured_peak_bytes=max(measured) if measured else None,
             # A percentage's base grows with the pairs compiled: the last, largest, is the step's.
             budget_bytes=None if not budgets or None in budgets else max(budgets),
             predicted_peak_bytes=max((e.step_peak_bytes for e in entries), default=0),
@@ -697,8 +883,12 @@ def _detached_ledger() -> StepLedger:
     ledger._entries = {}
     ledger._caps = {}
     ledger._replanners = weakref.WeakValueDictionary()
+    ledger._checkers = weakref.WeakValueDictionary()
     ledger._later_inputs = {}
     ledger._io = {}
+    ledger._outputs = {}
+    ledger._later_outputs = {}
+    ledger._last_outputs = {}
     return ledger
 
 
@@ -742,14 +932,19 @@ class StepPair:
         return self.ledger.holdings(self.key, set(self.params), offload, device)
 
     def record(
-        self, plan, held: tuple[int, int, int], held_kept: int = 0, min_offload_bytes: int = 0, later: int = 0
+        self,
+        plan,
+        held: tuple[int, int, int],
+        held_kept: int = 0,
+        min_offload_bytes: int = 0,
+        later: tuple[int, int] = (0, 0),
     ) -> PairHolding:
         """Record ``plan`` (a :class:`~offload_compiler.pipeline.PairPlan`, after the rewrites)
         in the ledger; returns the holding. ``held_kept``: the part of ``held[0]`` that is the
         earlier pairs' kept saved activations (:meth:`StepLedger.earlier_kept`);
         ``min_offload_bytes``: the option (what cannot be offloaded is the pair's floor);
-        ``later``: the part of ``held`` that is later pairs' inputs
-        (:meth:`StepLedger.later_input_bytes`)."""
+        ``later``: the parts of ``held`` that are later pairs' inputs and held outputs
+        (:meth:`StepLedger.later_input_bytes`, :meth:`StepLedger.later_output_bytes`)."""
         from .passes.plan_window import planned_live_bytes
 
         act, view, live = plan.activations, plan.activation_liveness, plan.liveness
@@ -770,7 +965,8 @@ class StepPair:
             runs=plan.model_state.reuse_count,
             kept_floor_bytes=kept_saved_bytes(live, {b.id for b in live.candidates(min_offload_bytes)}),
             held_kept_bytes=held_kept,
-            later_input_bytes=later,
+            later_input_bytes=later[0],
+            later_output_bytes=later[1],
             own_lowest_peak_bytes=min(own_planned, int(act.lowest_reachable_peak_bytes)),
         )
         self.ledger.record(self.key, holding)

@@ -288,6 +288,9 @@ class _Trace:
         self.phases: list[str] = []
         self.valid = True
         self.retain_graph: bool | None = None  # the backward's retain_graph (_backward_keeps_graph)
+        # Device bytes of later graph pairs' outputs alive when the backward started (the loss
+        # the caller holds: StepLedger.later_outputs_alive; None: not a graph-break pair).
+        self.later_outputs: int | None = None
         self._open: Any = None
         self._open_thread: int | None = None
         self._cuda_before = 0
@@ -630,6 +633,8 @@ class CheckedCompile:
         self._grads_why = ""
         self._backwards = 0  # backwards of this pair's runs so far
         step = session.step if session is not None else None
+        if step is not None:
+            step.ledger.register_checker(step.key, self)  # (the step report shows its measurement)
         if step is not None and recompile is not None and mode == "replan":
             step.ledger.register_replanner(step.key, self)  # a later pair may cap this one
         self.measurements: list[StepMeasurement] = []
@@ -640,6 +645,11 @@ class CheckedCompile:
     def _checkable(self) -> bool:
         s = self._session
         return s is not None and len(s.reports) == 1 and s.planned_steps is not None
+
+    @property
+    def replan_due(self) -> bool:
+        """Whether the measured step calls for a replan at the next call (workspace, runs)."""
+        return self._due is not None
 
     @property
     def report(self):
@@ -702,9 +712,22 @@ class CheckedCompile:
         try:
             made = storage_refs(t for t in _flat_tensors(out) if not isinstance(t, torch.nn.Parameter))
             step = self._session.step
-            step.ledger.note_call(step.key, io + made)
+            step.ledger.note_call(step.key, io + made, made)
         except Exception:  # noqa: BLE001  (the check must never break a step)
             pass
+
+    def _later_outputs_now(self) -> int | None:
+        """Device bytes of the step's later pairs' outputs alive now, at this pair's backward
+        (:meth:`~offload_compiler.step_budget.StepLedger.later_outputs_alive`); ``None`` outside a
+        step ledger's graph-break pairs, as :meth:`_io_refs`."""
+        s = self._session
+        step = s.step if s is not None else None
+        if step is None or step.split is not None or s.planned_steps is None:
+            return None
+        try:
+            return step.ledger.later_outputs_alive(step.key, torch.device(s.planned_steps.device))
+        except Exception:  # noqa: BLE001  (the check must never break a backward)
+            return None
 
     def _later_due(self) -> bool:
         """Whether later pairs of the step, compiled after this pair's plan, read inputs that
@@ -716,7 +739,7 @@ class CheckedCompile:
         step = s.step if s is not None else None
         if step is None or s.step_holding is None or s.options.memory_budget.kind not in ("bytes", "fraction"):
             return False
-        now = step.ledger.later_input_bytes(step.key)
+        now = step.ledger.later_held_bytes(step.key)
         if now <= s.step_later_bytes or now == self._later_tried:
             return False
         if self._recompile is None or self._mode != "replan":
@@ -724,9 +747,8 @@ class CheckedCompile:
             label = self.report.graph_id if self.report is not None else "?"
             why = "runtime_check='measure'" if self._mode != "replan" else f"offload={s.options.offload!r}"
             warnings.warn(
-                f"trinity graph {label}: later graph pairs of the step read {now} bytes of inputs that exist from the "
-                f"step's start (the step's inputs that only they read) and are alive while this pair runs; its plan "
-                f"counts {s.step_later_bytes}. With {why} it is not planned again for them (only "
+                f"trinity graph {label}: later graph pairs of the step hold {_later_what(step.ledger, step.key)}, "
+                f"alive while this pair runs; its plan counts {s.step_later_bytes}. With {why} it is not planned again for them (only "
                 "runtime_check='replan' with offload='activations' is), so the step can exceed the budget by up to "
                 f"{now - s.step_later_bytes} bytes.",
                 stacklevel=3,
@@ -742,8 +764,8 @@ class CheckedCompile:
         from .pipeline import InfeasibleBudgetError
 
         step = self._session.step
-        now = step.ledger.later_input_bytes(step.key)
-        why = f"for the {now} bytes of inputs that later graph pairs of the step read (there from the step's start)"
+        now = step.ledger.later_held_bytes(step.key)
+        why = f"for what later graph pairs of the step hold while it runs ({_later_what(step.ledger, step.key)})"
         if grads_due:
             why += " and " + self._grads_why.removeprefix("for ")
         try:
@@ -900,6 +922,7 @@ class CheckedCompile:
                 trace.valid = False
                 return None
             trace.retain_graph = _backward_keeps_graph()
+            trace.later_outputs = self._later_outputs_now()
             try:
                 trace.start("backward")
             except Exception as exc:  # the check must never break a backward
@@ -956,6 +979,9 @@ class CheckedCompile:
                     stacklevel=2,
                 )
                 return
+            if trace.later_outputs:
+                step = self._session.step
+                step.ledger.set_later_outputs(step.key, trace.later_outputs)
             m = analyze(trace, planned)
             self.measurements.append(m)
             old = self.report
@@ -1462,6 +1488,19 @@ def _replace(old, new, drop=None) -> None:
             (Path(new.dump_dir) / "report.json").write_text(new.to_json())
         except OSError:
             pass
+
+
+def _later_what(ledger, key) -> str:
+    """What the later pairs of ``key``'s step hold while it runs, for a message: the bytes of
+    their inputs there from the step's start and of their outputs the caller held at its
+    backward."""
+    parts = []
+    inputs, outputs = ledger.later_input_bytes(key), ledger.later_output_bytes(key)
+    if inputs:
+        parts.append(f"{inputs} bytes of inputs that exist from the step's start (the step's inputs only they read)")
+    if outputs:
+        parts.append(f"{outputs} bytes of outputs the caller still held when this pair's backward started")
+    return " and ".join(parts) or "0 bytes"
 
 
 def _unseen_causes(retain_graph: bool | None) -> str:

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import offload_compiler
-from offload_compiler import measure_peak_device_bytes, step_check
+from offload_compiler import measure_peak_device_bytes, step_check, step_report
 from offload_compiler.graph_pair import GraphPair
 from offload_compiler.passes import liveness
 from offload_compiler.passes.margins import WorkspaceMargins, matches, op_key
@@ -96,6 +96,9 @@ def test_scratch_workspace_is_measured_and_replanned(inner):
     assert first.correction is None
     # The scratch the plan did not see: the first step is above the plan and the budget.
     assert first.measured_peak_bytes > first.budget_bytes >= first.peak_bytes_planned, first.summary()
+    step = step_report(sbs.model)
+    assert not step.within_budget and step.pairs[0].measured_replan_due, step.summary()
+    assert "planned again at the next call" in step.summary()
     sbs.step(batch)  # runs the replanned pair (gradients checked against the reference)
     r = _report(sbs)
     assert r.graph_id == first.graph_id and r.budget_bytes == first.budget_bytes
@@ -111,6 +114,8 @@ def test_scratch_workspace_is_measured_and_replanned(inner):
     assert r.measured_peak_bytes is not None and r.measured_peak_bytes <= r.budget_bytes, r.summary()
     assert r.peak_bytes_planned <= r.budget_bytes
     assert _measure(sbs, batch) <= r.budget_bytes + PEAK_SLACK_BYTES
+    step = step_report(sbs.model)
+    assert step.within_budget and step.measured_peak_bytes == r.measured_peak_bytes, step.summary()
     sbs.step(batch)
     # Which step each figure is of: the corrected plan's first step, and the first plan's.
     from offload_compiler.options import format_bytes
@@ -142,6 +147,15 @@ def test_measure_only_reports_and_warns():
     assert r.measured_peak_bytes > r.budget_bytes and r.correction is None
     sbs.step(batch)
     assert _report(sbs) is r  # measured once, not replanned
+    # The step report judges the step by the measurement too (a fresh-user trial: it said "within
+    # budget" from the prediction while every step measured 9.9% above).
+    step = step_report(sbs.model)
+    (pair,) = step.pairs
+    assert step.predicted_peak_bytes <= step.budget_bytes
+    assert pair.own_measured_peak_bytes == r.measured_peak_bytes and not pair.measured_replan_due
+    assert step.measured_peak_bytes == r.measured_peak_bytes + pair.held_bytes > step.budget_bytes
+    assert not step.within_budget
+    assert "ABOVE the budget" in step.summary() and "the runtime check's warning says why" in step.summary()
 
 
 def test_infeasible_with_the_measured_workspace_names_it():

@@ -423,6 +423,35 @@ def _output_storage_floor(node: fx.Node) -> int:
     return int(factor * hint_int(t.untyped_storage().nbytes()))
 
 
+def loss_output_bytes(pair: GraphPair) -> int:
+    """Device bytes of the storages of the one-element outputs that ``pair``'s forward returns to
+    the caller (among its first ``num_fwd_outputs``): a loss, which the caller holds while it calls
+    ``backward()`` on it, so through the backward of every graph pair of the step. Each storage
+    once, whole, at least the real storage :data:`_OUTPUT_STORAGE` gives its op (``mse_loss``
+    returns its scalar in a storage of its input's size); storages of the forward's inputs are
+    not counted. Larger outputs (logits) may or may not be held (``model(**batch).loss.backward()``
+    drops them first): :mod:`offload_compiler.step_check` measures that."""
+    device = graph_device(pair)
+    inputs = {
+        StorageWeakRef(t.untyped_storage())
+        for n in pair.forward.graph.find_nodes(op="placeholder")
+        for t in plain_tensors(tensor_vals(n))
+    }
+    seen: dict = {}
+    for i, n in enumerate(pair.fw_outputs()):
+        if i >= pair.num_fwd_outputs or not isinstance(n, fx.Node):
+            continue
+        for t in plain_tensors(tensor_vals(n)):
+            if hint_int(t.numel()) != 1 or (t.device != device and device.type != "cpu"):
+                continue
+            key = StorageWeakRef(t.untyped_storage())
+            if key in inputs:
+                continue
+            nbytes = max(hint_int(t.untyped_storage().nbytes()), _output_storage_floor(n))
+            seen[key] = max(seen.get(key, 0), nbytes)
+    return sum(seen.values())
+
+
 def _workspace(node: fx.Node) -> int:
     """Transient bytes of ``node`` from :data:`_WORKSPACE` (0 for ops not listed)."""
     if node.op != "call_function":
