@@ -9,6 +9,7 @@ exposed and recomputing is cheaper.
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -406,3 +407,29 @@ def test_dropout_backward_mask_is_planned_from_the_first_step():
     assert r.measured_peak_bytes is not None, r.summary()
     assert r.correction is None, r.summary()
     assert r.measured_peak_bytes <= r.budget_bytes + PEAK_SLACK_BYTES, r.summary()
+
+
+def test_the_percentage_a_recompute_refusal_names_runs():
+    """From the third fresh-user trial: under strategy="recompute" the attention blocks' refusal
+    at 25% named the lowest-peak choice's percentage (66%), and passed back it was refused again
+    (the three best-scored candidates' estimated peaks were within it and their rewrites' 7 KB
+    above). The planner now tries the lowest-peak choice exactly as well before refusing: the
+    named percentage runs, within its budget, bit-equal to eager."""
+    batch = (torch.randint(0, 64, (8, 128)), torch.randint(0, 64, (8, 128)))
+
+    def refusal():
+        sbs = SideBySide(_DropoutBlocks, "eager", budget="25%", strategy="recompute")
+        with pytest.raises(Exception) as info:
+            seeded_step(sbs, batch, 1)
+        inner = getattr(info.value, "inner_exception", info.value)
+        assert isinstance(inner, InfeasibleBudgetError), inner
+        return str(inner)
+
+    named = re.search(r"memory_budget='([0-9.]+%)'", refusal()).group(1)
+    torch._dynamo.reset()
+    sbs = SideBySide(_DropoutBlocks, "eager", budget=named, strategy="recompute")
+    for seed in (1, 2):
+        seeded_step(sbs, batch, seed)
+    (r,) = sbs.reports()
+    assert r.feasible and r.recompute["num_recomputed"] > 0 and r.num_evicted == 0, r.summary()
+    check_peak(sbs, batch)

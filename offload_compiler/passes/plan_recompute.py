@@ -1262,6 +1262,29 @@ def _plan_joint(
         if got[3].feasible:
             result = (name, got)
             break
+    if result is None and analysis.chains and strategy != "offload" and budget is not None:
+        # The best-scored candidates' estimated peaks were within the budget and their rewrites'
+        # are not: the lowest-peak choice (what a budget below every plan gets) can still meet it.
+        # A fresh-user trial's attention blocks (strategy="recompute"), at the percentage a
+        # refusal had named from that choice's peak, were refused again: the three best missed
+        # it by 2 MiB.
+        low_name, low_chosen, low_only, _d = choose(
+            live,
+            costs,
+            analysis.chains,
+            0,
+            strategy,
+            min_offload_bytes,
+            time_limit_s,
+            use_solver,
+            earlier_runs,
+            kept_cap,
+        )
+        if low_chosen and all(t[1][0] != tuple(by_buf[b] for b in sorted(low_chosen)) for t in tried):
+            got = exact(low_chosen, low_only)
+            tried.append((f"{low_name} (the lowest-peak choice)", got))
+            if got[3].feasible:
+                result = tried[-1]
     note = None
     offload_only = details["offload_only"]
     if result is None and offload_only is not None and offload_only.feasible:
