@@ -29,7 +29,15 @@ are seen too), and every dispatcher op call with its input shapes. From that:
   it still held at its end (the ``(peak - end)`` of ``bench/workspace_probe.py``), plus what it
   held at its end beyond the outputs the plan gives its node (an output larger than modelled).
   Calls are matched to the plan's nodes by :data:`~offload_compiler.passes.margins.OpKey`; the
-  largest over the calls of a key counts.
+  largest over the calls of a key counts;
+* for a pair with later graph pairs in its step (a graph break), what the caller still holds of
+  their latest outputs when its backward starts (the loss, logits returned with it:
+  :meth:`~offload_compiler.step_budget.StepLedger.later_outputs_alive`): the step ledger counts it
+  held while the pair runs, and the pair is planned again for it at its next call
+  (:meth:`CheckedCompile._later_due`, as for the later pairs' inputs).
+
+The step report (:func:`~offload_compiler.step_budget.step_report`) shows each pair's measured
+peak beside its plan, and a step whose measurement is above its budget is not "within budget".
 
 Where the plan's peak with the measured workspace added at every node is above the budget, and
 the measured peak is too (``runtime_check="replan"``), the pair is planned again with a
@@ -731,10 +739,11 @@ class CheckedCompile:
 
     def _later_due(self) -> bool:
         """Whether later pairs of the step, compiled after this pair's plan, read inputs that
-        exist from the step's start and that its plan did not count (they are alive while it
-        runs: :meth:`~offload_compiler.step_budget.StepLedger.later_input_bytes`). Where it
-        cannot be planned again (``runtime_check="measure"``, parameter offload) it warns once
-        with their bytes."""
+        exist from the step's start, or return outputs the caller holds through this pair's
+        backward, that its plan did not count (they are alive while it runs:
+        :meth:`~offload_compiler.step_budget.StepLedger.later_held_bytes`). Where it cannot be
+        planned again (``runtime_check="measure"``, parameter offload) it warns once with their
+        bytes."""
         s = self._session
         step = s.step if s is not None else None
         if step is None or s.step_holding is None or s.options.memory_budget.kind not in ("bytes", "fraction"):
@@ -758,7 +767,7 @@ class CheckedCompile:
 
     def _replan_for_later_inputs(self, grads_due: bool = False) -> None:
         """Plan the pair again with the later pairs' inputs that the step holds from its start
-        (:meth:`_later_due`), at this call (the next step's start, never inside a step);
+        and their outputs the caller holds (:meth:`_later_due`), at this call (the next step's start, never inside a step);
         ``grads_due``: the gradients its parameters hold changed too (:meth:`_grads_due`), and
         the replan counts them as well."""
         from .pipeline import InfeasibleBudgetError
