@@ -1410,6 +1410,15 @@ class CheckedCompile:
             compiled = self._recompile(margins, reuse, self._grad_bytes)
         except InfeasibleBudgetError as exc:
             self._state = "done"
+            if due_reuse is None and self._cap_due():
+                # The recompile also carried a cap that a later pair of the step asked for: what
+                # cannot be met may be the cap, not the budget. The cap's replan tells them apart
+                # and names the budget the step runs within (a fresh-user trial: this error said
+                # a budget of 23.57 MiB was below a lowest peak of 19.16 MiB, and named 59.6%
+                # for a step refused at 73.2%).
+                self._margins = margins
+                self._replan_for_cap()
+                return
             if reserve and due_reuse is None:
                 # The reserve is a guess at where unmodelled bytes sit (everywhere): a budget it
                 # makes unreachable keeps the plan that runs, with the warning it had before.

@@ -1199,3 +1199,93 @@ def test_step_report_of_a_compiled_function_says_what_to_pass():
     compiled = torch.compile(lambda x: x.sin(), backend="trinity")
     with pytest.raises(TypeError, match="step_report: expected the nn.Module given to torch.compile .* got function"):
         step_report(compiled)
+
+
+class _BrokenAttention(nn.Module):
+    """A fresh-user trial's model: embeddings, two pre-norm attention blocks (SDPA with dropout,
+    MLP with dropout), a graph break after the first, a head and an MSE loss returned with the
+    logits."""
+
+    def __init__(self, vocab=512, d=128, heads=4, t=128, p=0.1):
+        super().__init__()
+        self.tok, self.pos, self.heads, self.p = nn.Embedding(vocab, d), nn.Embedding(t, d), heads, p
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "ln1": nn.LayerNorm(d),
+                    "qkv": nn.Linear(d, 3 * d),
+                    "proj": nn.Linear(d, d),
+                    "ln2": nn.LayerNorm(d),
+                    "fc1": nn.Linear(d, 4 * d),
+                    "fc2": nn.Linear(4 * d, d),
+                }
+            )
+            for _ in range(2)
+        )
+        self.lnf, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def _block(self, blk, x):
+        b, t, d = x.shape
+        q, k, v = blk["qkv"](blk["ln1"](x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p)
+        x = x + F.dropout(blk["proj"](a.transpose(1, 2).reshape(b, t, d)), self.p)
+        return x + F.dropout(blk["fc2"](F.gelu(blk["fc1"](blk["ln2"](x)))), self.p)
+
+    def forward(self, idx, y):
+        x = F.dropout(self.tok(idx) + self.pos(torch.arange(idx.shape[1])), self.p)
+        x = self._block(self.blocks[0], x)
+        torch._dynamo.graph_break()
+        logits = self.head(self.lnf(self._block(self.blocks[1], x)))
+        return F.mse_loss(logits, y), logits
+
+
+def test_graph_break_recompute_named_budgets_run():
+    """From the third fresh-user trial: a graph break, strategy="recompute", bf16 autocast, the
+    logits held through the backward. The budget named at 50% assumed the first pair could be
+    capped down to what cannot be offloaded; at its next call a workspace replan carrying that
+    cap was refused as if the budget were below the pair's lowest peak ("23.57 MiB is below the
+    lowest peak any plan reaches, 19.16 MiB") and named a lower percentage, which the compile
+    refused naming the first again: no named budget ran. Now the cap's miss is told apart: every
+    refusal names a higher budget than the one it refuses, and one of them runs within it."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 512, (8, 128))
+    y = torch.randn(8, 128, 512)
+
+    def train(budget):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _BrokenAttention()
+        opts = {"inner": "eager", "memory_budget": budget, "strategy": "recompute"}
+        compiled = torch.compile(model, backend="trinity", options=opts)
+
+        def step():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = compiled(idx, y)
+            out[0].backward()
+            model.zero_grad(set_to_none=True)
+            return out  # the logits stay alive through the backward
+
+        for seed in range(4):
+            torch.manual_seed(seed)
+            step()
+        m = measure_peak_device_bytes(step, resident=list(model.parameters()) + [idx, y], device="cpu")
+        return model, m
+
+    budget, named = "50%", []
+    for _ in range(4):
+        try:
+            model, m = train(budget)
+            break
+        except Exception as exc:  # noqa: BLE001
+            inner = getattr(exc, "inner_exception", exc)
+            assert isinstance(inner, InfeasibleBudgetError), inner
+            nxt = re.search(r"'([0-9.]+)%'", str(inner)).group(1)
+            assert float(nxt) > float(budget.rstrip("%")), str(inner)
+            budget = f"{nxt}%"
+            named.append(budget)
+    else:
+        pytest.fail(f"no named budget ran: {named}")
+    report = step_report(model)
+    assert report.within_budget, report.summary()
+    assert m.peak_bytes <= report.budget_bytes + PEAK_SLACK_BYTES, (m.peak_bytes, report.summary())
