@@ -137,7 +137,7 @@ class MemoryBudget:
 
         Raises:
             ValueError: naming the key and the value when it is none of the above, when a
-                percentage is not in (0, 100], or when a byte count is negative.
+                percentage is not in (0, 100], or when a byte count is negative or 0.
         """
         if isinstance(value, MemoryBudget):
             return value
@@ -169,7 +169,8 @@ class MemoryBudget:
                 "percentage such as '50%', 'auto', or None for no limit)"
             )
         try:
-            return MemoryBudget("bytes", float(parse_size(key, value)))
+            nbytes = parse_size(key, value)
+            budget = MemoryBudget("bytes", float(nbytes))
         except (ValueError, OverflowError):
             hint = ""
             try:
@@ -183,6 +184,14 @@ class MemoryBudget:
                 "such as '50%' of the training step's peak without offloading, 'auto' (free device memory less a reserve) "
                 f"or None (no limit){hint}"
             ) from None
+        if nbytes == 0:
+            # No plan holds a step in no memory: refused here, not at the compile (a fresh-user
+            # trial found 0 accepted and refused only there, as infeasible).
+            raise ValueError(
+                f"trinity option {key!r}: got {value!r}; a memory budget of 0 bytes cannot be met (a positive size "
+                "such as '12GiB', a percentage such as '50%', 'auto', or None for no limit)"
+            )
+        return budget
 
     def percent_text(self) -> str:
         """The fraction as a percentage string that :meth:`parse` turns back into exactly

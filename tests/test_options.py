@@ -144,12 +144,12 @@ def test_size_options_accept_every_size_form(text, expected):
         {
             "min_offload_bytes": text,
             "budget_reserve_bytes": text,
-            "memory_budget": text,
+            "memory_budget": text if expected else None,  # (0 bytes: refused, test below)
         }
     )
     assert opts.min_offload_bytes == expected
     assert opts.budget_reserve_bytes == expected
-    assert opts.memory_budget == MemoryBudget("bytes", float(expected))
+    assert opts.memory_budget == (MemoryBudget("bytes", float(expected)) if expected else MemoryBudget("none"))
     assert_round_trips(opts)
 
 
@@ -276,6 +276,15 @@ def test_negative_memory_budget_says_it_cannot_be_negative(bad):
         build({"memory_budget": bad})
     msg = str(info.value)
     assert "'memory_budget'" in msg and repr(bad) in msg and "cannot be negative" in msg and "None" in msg
+
+
+@pytest.mark.parametrize("zero", [0, 0.0, "0", "0GiB", "0 MB"])
+def test_zero_memory_budget_is_refused_with_the_options(zero):
+    """A fresh-user trial: memory_budget=0 was accepted and refused only at the compile."""
+    with pytest.raises(ValueError) as info:
+        build({"memory_budget": zero})
+    msg = str(info.value)
+    assert "'memory_budget'" in msg and repr(zero) in msg and "0 bytes cannot be met" in msg and "None" in msg
 
 
 def test_fractional_memory_budget_suggests_the_percentage():
