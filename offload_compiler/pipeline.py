@@ -958,7 +958,6 @@ class CompileSession:
         # outputs the caller held at this pair's backward (StepLedger.later_input_bytes,
         # later_output_bytes): a later pair's compile or the runtime check can raise them; the
         # runtime check then plans this pair again (step_check.CheckedCompile).
-        self.step_later_bytes = 0
         self.step_later_parts: tuple[int, int] = (0, 0)
         # How often the pair runs at once in one step and what runs beside it, as the runtime
         # check measured the first step (step_budget.StepReuse; set by the backend's recompile).
@@ -987,6 +986,11 @@ class CompileSession:
         self.may_be_reused = False
         self.provisional: str | None = None
 
+    @property
+    def step_later_bytes(self) -> int:
+        """The bytes of :attr:`step_later_parts` together: what the plan counts of later pairs."""
+        return sum(self.step_later_parts)
+
     def model_state(self, pair: GraphPair) -> ModelState:
         """The :class:`ModelState` of ``pair``: its parameter inputs that have slots
         (``offload`` other than ``"activations"``), with their slots' host bytes, what the
@@ -1009,7 +1013,6 @@ class CompileSession:
                 self.step.ledger.later_input_bytes(self.step.key),
                 self.step.ledger.later_output_bytes(self.step.key),
             )
-            self.step_later_bytes = sum(self.step_later_parts)
             if self.options.memory_budget.kind in ("bytes", "fraction"):
                 held, self.step_held_kept = ledger, ledger_kept
                 if self.options.offload == "activations":

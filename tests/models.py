@@ -105,3 +105,21 @@ def square_batch(n=512, d=128):
 
 def inplace_batch(n=1024, d=128):
     return torch.randn(n, d), torch.rand(n, d)
+
+
+def attention_blocks(d: int, n: int = 2) -> nn.ModuleList:
+    """``n`` pre-norm attention blocks as module dicts (``ln1``, ``qkv``, ``proj``, ``ln2``,
+    ``fc``, ``fc2``) for the fresh-user trials' models (each runs them its own way)."""
+    return nn.ModuleList(
+        nn.ModuleDict(
+            {
+                "ln1": nn.LayerNorm(d),
+                "qkv": nn.Linear(d, 3 * d),
+                "proj": nn.Linear(d, d),
+                "ln2": nn.LayerNorm(d),
+                "fc": nn.Linear(d, 4 * d),
+                "fc2": nn.Linear(4 * d, d),
+            }
+        )
+        for _ in range(n)
+    )

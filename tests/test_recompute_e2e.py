@@ -368,19 +368,7 @@ class _DropoutBlocks(nn.Module):
     def __init__(self, d=128, heads=4, vocab=64, p=0.1):
         super().__init__()
         self.emb, self.head, self.p, self.heads = nn.Embedding(vocab, d), nn.Linear(d, vocab), p, heads
-        self.blocks = nn.ModuleList(
-            nn.ModuleDict(
-                {
-                    "ln1": nn.LayerNorm(d),
-                    "qkv": nn.Linear(d, 3 * d),
-                    "proj": nn.Linear(d, d),
-                    "ln2": nn.LayerNorm(d),
-                    "fc": nn.Linear(d, 4 * d),
-                    "fc2": nn.Linear(4 * d, d),
-                }
-            )
-            for _ in range(2)
-        )
+        self.blocks = models.attention_blocks(d)
 
     def forward(self, idx, targets):
         x = self.emb(idx)

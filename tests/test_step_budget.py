@@ -21,6 +21,8 @@ from bench.step_budget import REUSE_ROWS, REUSE_WIDTH, Blocks, Broken  # the ste
 from offload_compiler import measure_peak_device_bytes, step_report
 from offload_compiler.pipeline import InfeasibleBudgetError
 
+from .models import attention_blocks
+
 PEAK_SLACK_BYTES = 64 * 1024  # as in test_e2e.py
 
 
@@ -1209,19 +1211,7 @@ class _BrokenAttention(nn.Module):
     def __init__(self, vocab=512, d=128, heads=4, t=128, p=0.1):
         super().__init__()
         self.tok, self.pos, self.heads, self.p = nn.Embedding(vocab, d), nn.Embedding(t, d), heads, p
-        self.blocks = nn.ModuleList(
-            nn.ModuleDict(
-                {
-                    "ln1": nn.LayerNorm(d),
-                    "qkv": nn.Linear(d, 3 * d),
-                    "proj": nn.Linear(d, d),
-                    "ln2": nn.LayerNorm(d),
-                    "fc1": nn.Linear(d, 4 * d),
-                    "fc2": nn.Linear(4 * d, d),
-                }
-            )
-            for _ in range(2)
-        )
+        self.blocks = attention_blocks(d)
         self.lnf, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def _block(self, blk, x):
@@ -1230,7 +1220,7 @@ class _BrokenAttention(nn.Module):
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p)
         x = x + F.dropout(blk["proj"](a.transpose(1, 2).reshape(b, t, d)), self.p)
-        return x + F.dropout(blk["fc2"](F.gelu(blk["fc1"](blk["ln2"](x)))), self.p)
+        return x + F.dropout(blk["fc2"](F.gelu(blk["fc"](blk["ln2"](x)))), self.p)
 
     def forward(self, idx, y):
         x = F.dropout(self.tok(idx) + self.pos(torch.arange(idx.shape[1])), self.p)

@@ -1199,18 +1199,22 @@ def _plan_joint(
     for bid, why in analysis.refused:
         names = [live.saved[i].fw_node for i in live.buffers[bid].saved]
         refused.append((", ".join(names), why))
-    name, chosen, only, details = choose(
-        live,
-        costs,
-        analysis.chains,
-        budget,
-        strategy,
-        min_offload_bytes,
-        time_limit_s,
-        use_solver,
-        earlier_runs,
-        kept_cap,
-    )
+
+    def choose_for(budget_bytes):
+        return choose(
+            live,
+            costs,
+            analysis.chains,
+            budget_bytes,
+            strategy,
+            min_offload_bytes,
+            time_limit_s,
+            use_solver,
+            earlier_runs,
+            kept_cap,
+        )
+
+    name, chosen, only, details = choose_for(budget)
     by_buf = analysis.by_buffer()
     common = dict(
         strategy=strategy,
@@ -1268,18 +1272,7 @@ def _plan_joint(
         # A fresh-user trial's attention blocks (strategy="recompute"), at the percentage a
         # refusal had named from that choice's peak, were refused again: the three best missed
         # it by 2 MiB.
-        low_name, low_chosen, low_only, _d = choose(
-            live,
-            costs,
-            analysis.chains,
-            0,
-            strategy,
-            min_offload_bytes,
-            time_limit_s,
-            use_solver,
-            earlier_runs,
-            kept_cap,
-        )
+        low_name, low_chosen, low_only, _d = choose_for(0)
         if low_chosen and all(t[1][0] != tuple(by_buf[b] for b in sorted(low_chosen)) for t in tried):
             got = exact(low_chosen, low_only)
             tried.append((f"{low_name} (the lowest-peak choice)", got))
