@@ -985,6 +985,9 @@ class CompileSession:
         # percentage it cannot reach for one run then waits for the first step (the message).
         self.may_be_reused = False
         self.provisional: str | None = None
+        # A copy of the prepared pair before the rewrites (insert_recompute.copy_pair), kept for a
+        # pair of a step that a later pair may cap: probe_cap plans it again on it (run sets it).
+        self.cap_probe_pair: GraphPair | None = None
 
     @property
     def step_later_bytes(self) -> int:
@@ -1175,6 +1178,52 @@ class CompileSession:
             and not self.step.ledger.has_later(self.step.key)
         )
 
+    # The attributes model_state sets: probe_cap puts them back (a probe changes nothing).
+    _MODEL_STATE_ATTRS = (
+        "step_held",
+        "step_held_kept",
+        "kept_cap_bytes",
+        "step_ledger_held",
+        "step_ledger_held_kept",
+        "step_later_parts",
+        "reuse",
+    )
+
+    def probe_cap(self, cap_bytes: int) -> tuple[int, int] | None:
+        """What a cap of ``cap_bytes`` on this pair's kept saved activations would give when its
+        runtime check plans it again at its next call (``step_check.CheckedCompile``, with
+        ``on_infeasible="warn"``): ``(kept bytes, own planned peak bytes)`` of that plan, planned
+        now by :func:`plan_pair` on a copy of the prepared pair (:attr:`cap_probe_pair`) with what
+        the step holds now, the cap and this pair's margins. Where no plan meets the cap and the
+        pair's own budget, that is its lowest-peak plan, which keeps more than the cap: under
+        ``strategy="recompute"`` a recomputed saved activation keeps its chain's leaves and raises
+        the backward's peak, which the offload floor a cap is planned against does not show. The
+        step's check (:meth:`~.step_budget.StepLedger.set_caps`) counts these figures in place of
+        the cap. Changes nothing: the session's planning state is put back.
+
+        Returns ``None`` where no copy was kept (a pair no later pair can cap).
+
+        Raises:
+            ValueError: ``cap_bytes`` < 0.
+        """
+        if cap_bytes < 0:
+            raise ValueError(f"probe_cap: the cap must be >= 0 bytes, got {cap_bytes}")
+        pair = self.cap_probe_pair
+        if pair is None:
+            return None
+        saved = {a: getattr(self, a) for a in self._MODEL_STATE_ATTRS}
+        try:
+            ms = replace(self.model_state(pair), kept_cap_bytes=cap_bytes)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                probe = plan_pair(pair, replace(self.options, on_infeasible="warn"), ms, margins=self.margins)
+        finally:
+            for a, v in saved.items():
+                setattr(self, a, v)
+        act, view = probe.activations, probe.activation_liveness
+        own = int(plan_window.planned_live_bytes(view, act.evictions).max()) if view.num_steps else 0
+        return kept_saved_bytes(view, {e.buffer for e in act.evictions}), own
+
     def _can_cap(self) -> bool:
         """Whether earlier pairs of the step may be planned again to keep less for this one
         (:meth:`~offload_compiler.step_budget.StepLedger.plan_caps`: only those whose runtime
@@ -1210,7 +1259,7 @@ class CompileSession:
             caps, missing = ledger.plan_caps(key, excess)
             if not caps:
                 break
-            ledger.set_caps(caps, self.step.label)
+            ledger.set_caps(caps, self.step.label, probe=True)
             the_plan = plan_pair(pair, self.options, self.model_state(pair), margins=self.margins)
             if the_plan.activations.feasible or missing:
                 break
@@ -1238,9 +1287,22 @@ class CompileSession:
             )
         floor = sum(e.kept_floor_bytes * e.runs for _k, e in others)
         kept = sum(e.kept_bytes * e.runs for _k, e in others)
+        capped = ledger.earlier_kept(key)
+        if capped > floor:
+            # A probe found no plan of theirs that keeps as little (StepLedger.set_caps).
+            how = (
+                f"to keep less, as little as their plans can within their own budgets ({capped} of the {kept} bytes "
+                f"they keep now; {floor} bytes cannot be offloaded"
+                + (
+                    ", but strategy='recompute' offloads none, and recomputing keeps a chain's leaves"
+                    if (self.options.strategy == "recompute")
+                    else ""
+                )
+            )
+        else:
+            how = f"to keep only the saved activations that cannot be offloaded ({floor} of the {kept} bytes they keep now"
         note = (
-            f", with the earlier pairs planned again to keep only the saved activations that cannot be offloaded "
-            f"({floor} of the {kept} bytes they keep now; their caps are kept only where they make this pair fit): "
+            f", with the earlier pairs planned again {how}; their caps are kept only where they make this pair fit): "
             f"its lowest step peak is then {the_plan.predictions.lowest_reachable_peak_bytes} bytes (before, "
             f"{first_lowest}), above the step's budget {the_plan.step_budget_bytes} bytes"
         )
@@ -1285,7 +1347,7 @@ class CompileSession:
                 p = dict(zip(ledger.keys(), report().pairs))[k]
                 if p.step_peak_bytes > budget:
                     caps, _missing = ledger.plan_caps(k, p.step_peak_bytes - budget)
-                    ledger.set_caps(caps, p.label)
+                    ledger.set_caps(caps, p.label, probe=True)
             step = report()
             over = [p for p in step.pairs if p.step_peak_bytes > budget]
             if not over:
@@ -1302,7 +1364,11 @@ class CompileSession:
             f"{step.unplanned_peak_bytes} bytes is {budget} bytes; {len(over)} of its {len(step.pairs)} graph "
             f"pairs cannot stay within it, the worst {worst.label} at {worst.step_peak_bytes} bytes "
             f"({worst.own_planned_peak_bytes} its own, {worst.held_bytes} held by the rest of the step"
-            + (", with the earlier pairs capped to keep only what cannot be offloaded" if self._can_cap() else "")
+            + (
+                ", with the earlier pairs capped to keep only what cannot be offloaded, or as little as their plans can"
+                if self._can_cap()
+                else ""
+            )
             + "). "
             + _step_reach(step)
             + "\n"
@@ -1334,6 +1400,9 @@ class CompileSession:
         seconds = {"reorder": time.perf_counter() - t0}
         if dumper and moved:
             dumper.graphs("05_reorder", pair.forward, pair.backward)
+        if self.step is not None and self.step.more_coming and self._can_cap():
+            # A later pair of the step may cap this one: its compile asks probe_cap what that costs.
+            self.cap_probe_pair = insert_recompute.copy_pair(pair)
         the_plan = plan_pair(pair, opts, self.model_state(pair), margins=self.margins)
         if the_plan.split is not None:
             self._keep_on_device(the_plan.split)

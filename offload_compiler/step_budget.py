@@ -307,6 +307,24 @@ class PairHolding:
 
 
 @dataclass(frozen=True)
+class CapProbe:
+    """What an earlier pair's plan under a cap on its kept saved activations gives, planned when
+    the cap is decided (:meth:`StepLedger.set_caps` with ``probe``; the pair's
+    ``CompileSession.probe_cap``).
+
+    Attributes:
+        kept_bytes: saved activations that plan keeps across its forward/backward boundary (bytes).
+        own_peak_bytes: the pair's own planned peak under it (bytes).
+        missed: it keeps more than the cap asked for (no plan meets the cap within the pair's own
+            budget): the cap is raised to :attr:`kept_bytes` and not lowered again.
+    """
+
+    kept_bytes: int
+    own_peak_bytes: int
+    missed: bool
+
+
+@dataclass(frozen=True)
 class StepReport:
     """The training step's budget and predicted peak, and which pair holds what.
 
@@ -478,8 +496,9 @@ class StepLedger:
         self._ddp = weakref.ref(ddp) if ddp is not None else None
         self._entries: dict[Any, PairHolding] = {}
         # Pair key -> (cap on its kept saved activations in bytes, label of the later pair it is
-        # for), and the pairs whose runtime check can plan them again with a cap (set_caps).
-        self._caps: dict[Any, tuple[int, str]] = {}
+        # for, what its probe planned for the cap or None), and the pairs whose runtime check can
+        # plan them again with a cap (set_caps).
+        self._caps: dict[Any, tuple[int, str, CapProbe | None]] = {}
         self._replanners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         # Pair key -> its runtime check (step_check.CheckedCompile; weakly), whose measured first
         # step the report shows (register_checker).
@@ -597,8 +616,8 @@ class StepLedger:
         hold while it runs by ``excess_bytes``: ``(key -> cap in bytes, bytes still missing)``.
 
         Latest pair first: the pair nearest ``key`` gives what it can (its kept bytes, or its
-        cap, down to :attr:`PairHolding.kept_floor_bytes`; a pair run N times gives N x per byte
-        of cap), then the one before. The latest first because its saved activations are the
+        cap, down to :attr:`PairHolding.kept_floor_bytes`, or not below a cap its probe could not
+        meet, :meth:`set_caps`; a pair run N times gives N x per byte of cap), then the one before. The latest first because its saved activations are the
         most recent ones, with the shortest host round trip per byte of the earlier pairs (their
         backward comes first of theirs), and a cap changes the fewest pairs. Only pairs that can
         be planned again (:meth:`register_replanner`: ``runtime_check="replan"``,
@@ -611,7 +630,9 @@ class StepLedger:
             if self._replanners.get(k) is None:
                 continue
             current = self._kept(k, e)
-            room = current - e.kept_floor_bytes
+            probe = self._caps.get(k, (None, None, None))[2]
+            floor = current if probe is not None and probe.missed else e.kept_floor_bytes
+            room = current - floor
             if room <= 0:
                 continue
             take = min(room, -(-left // e.runs))
@@ -619,21 +640,42 @@ class StepLedger:
             left -= take * e.runs
         return caps, max(0, left)
 
-    def set_caps(self, caps: dict[Any, int], for_label: str) -> None:
+    def set_caps(self, caps: dict[Any, int], for_label: str, probe: bool = False) -> None:
         """Enter ``caps`` (pair key -> bytes, :meth:`plan_caps`) for the later pair ``for_label``:
         the holdings count them at once; each capped pair's runtime check plans it again with its
-        cap at its next call (the next step's start, ``CompileSession.model_state`` reads it)."""
+        cap at its next call (the next step's start, ``CompileSession.model_state`` reads it).
+
+        With ``probe`` (a later pair's compile deciding the caps), each capped pair whose runtime
+        check can say so (``CheckedCompile.probe_cap``, a plan made now as its next call will
+        make it) is counted by that plan: where it keeps more than its cap (no plan meets the cap
+        within the pair's own budget: its lowest-peak plan; under ``strategy="recompute"`` a
+        recomputed saved activation keeps its chain's leaves), the cap is what it keeps, and
+        :meth:`plan_caps` asks it for no less; its own peak under that plan is its predicted own
+        peak in :meth:`report` and :meth:`earlier` (recomputing more raises it) until it is
+        planned again. Without a probe the cap alone is counted.
+
+        Raises:
+            ValueError: a cap < 0 bytes.
+        """
         for k, cap in caps.items():
             if cap < 0:
                 raise ValueError(f"StepLedger.set_caps: a cap must be >= 0 bytes, got {cap} for {k!r}")
-            self._caps[k] = (cap, for_label)
+            found = None
+            replanner = self._replanners.get(k) if probe else None
+            probed = replanner.probe_cap(cap) if replanner is not None else None
+            if probed is not None:
+                kept, own = probed
+                found = CapProbe(kept_bytes=kept, own_peak_bytes=own, missed=kept > cap)
+                cap = max(cap, kept)
+            self._caps[k] = (cap, for_label, found)
 
-    def caps(self) -> dict[Any, tuple[int, str]]:
-        """A copy of the caps (pair key -> (bytes, later pair's label)), to put back with
-        :meth:`restore_caps` when the caps are not applied after all."""
+    def caps(self) -> dict[Any, tuple[int, str, CapProbe | None]]:
+        """A copy of the caps (pair key -> (bytes, later pair's label, its probe's plan or
+        ``None``)), to put back with :meth:`restore_caps` when the caps are not applied after
+        all."""
         return dict(self._caps)
 
-    def restore_caps(self, caps: dict[Any, tuple[int, str]]) -> None:
+    def restore_caps(self, caps: dict[Any, tuple[int, str, CapProbe | None]]) -> None:
         self._caps = dict(caps)
 
     def keys(self) -> tuple[Any, ...]:
@@ -796,7 +838,12 @@ class StepLedger:
     def _now(self, k: Any, e: PairHolding) -> PairHolding:
         """Pair ``k``'s entry ``e`` with the later pairs' inputs the ledger knows now in its held
         bytes (a later pair compiled after it was planned), and whether that is more than its plan
-        counted (:attr:`PairHolding.later_inputs_due`)."""
+        counted (:attr:`PairHolding.later_inputs_due`); with a probed cap (:meth:`set_caps`), its
+        own peak under the plan the probe made."""
+        probe = self._caps.get(k, (None, None, None))[2]
+        if probe is not None:
+            # Its plan under the cap (set_caps): the one its runtime check makes at its next call.
+            e = replace(e, own_planned_peak_bytes=probe.own_peak_bytes, own_lowest_peak_bytes=probe.own_peak_bytes)
         inputs, outputs = self.later_input_bytes(k), self.later_output_bytes(k)
         if inputs == e.later_input_bytes and outputs == e.later_output_bytes:
             return e
@@ -819,8 +866,12 @@ class StepLedger:
         return key in self._entries and keys.index(key) < len(keys) - 1
 
     def record(self, key: Any, holding: PairHolding) -> None:
-        """Enter (or replace, keeping its place) pair ``key``'s holding."""
+        """Enter (or replace, keeping its place) pair ``key``'s holding. A probe of its cap
+        (:meth:`set_caps`) is dropped: the holding is its plan now."""
         self._entries[key] = holding
+        cap = self._caps.get(key)
+        if cap is not None and cap[2] is not None:
+            self._caps[key] = (cap[0], cap[1], None)
 
     def counts(self, key: Any, holding: PairHolding | None, before: Any) -> bool:
         """Whether the holdings of pair ``before`` count pair ``key``'s ``holding``: it is the

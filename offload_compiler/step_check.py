@@ -1252,6 +1252,14 @@ class CheckedCompile:
         cap = step.ledger.kept_cap(step.key)
         return cap is not None and cap != s.kept_cap_bytes and cap != self._cap_tried
 
+    def probe_cap(self, cap_bytes: int) -> tuple[int, int] | None:
+        """``(kept bytes, own planned peak bytes)`` of the plan :meth:`_replan_for_cap` would make
+        for a cap of ``cap_bytes`` at the next call (the session's
+        :meth:`~offload_compiler.pipeline.CompileSession.probe_cap`); ``None`` where it cannot say."""
+        session = self._session
+        probe = getattr(session, "probe_cap", None) if session is not None else None
+        return probe(cap_bytes) if probe is not None else None
+
     def _replan_for_cap(self) -> None:
         """Plan the pair again with the cap the step ledger holds for it (at this call: the
         start of the step after the one whose later pair asked for it, never inside a step).
