@@ -82,8 +82,12 @@ all the saved activations it can. When a later pair ``B``'s lowest step peak (it
 plan plus what the others hold) is above the budget, :meth:`StepLedger.plan_caps` gives the
 earlier pairs caps on their kept saved activations (:attr:`PairHolding.kept_bytes`) that take the
 excess off, latest pair first, each down to what it cannot offload
-(:attr:`PairHolding.kept_floor_bytes`); :meth:`StepLedger.holdings` counts a capped pair at its
-cap at once, so ``B`` is planned again against the capped holdings and keeps that plan (no second
+(:attr:`PairHolding.kept_floor_bytes`). Each capped pair is planned under its cap when the cap is
+decided (its probe, ``CompileSession.probe_cap``: the plan its next call will make): where that
+plan keeps more than the cap (under ``strategy="recompute"`` a recomputed saved activation keeps its
+chain's leaves, and the offload floor is no floor), the cap is what it keeps and is not lowered
+again, and the pair's own peak under it (recomputing more raises it) is its predicted peak.
+:meth:`StepLedger.holdings` counts a capped pair at its cap at once, so ``B`` is planned again against the capped holdings and keeps that plan (no second
 replan of ``B`` once the capped pairs are replanned: their new plans keep at most the cap). Each
 capped pair's runtime check (``step_check.CheckedCompile``) plans it again at its next call, the
 next step's start, never inside a step, with the cap as a planning constraint
@@ -91,8 +95,8 @@ next step's start, never inside a step, with the cap as a planning constraint
 :mod:`.passes.plan_window` and :mod:`.passes.plan_recompute`). The step that decided the caps runs
 the earlier pairs' old plans; from the next one on the step is within the budget. The same caps are
 given at the step's last pair under a percentage budget (its check of every pair's step peak).
-With ``on_infeasible="error"`` only a step that even the earlier pairs at their floors cannot fit is
-refused (the message gives those numbers), and then no cap is kept.
+With ``on_infeasible="error"`` only a step that even the earlier pairs at their floors (or at what
+their probes keep) cannot fit is refused (the message gives those numbers), and then no cap is kept.
 
 **Percentages** (``"50%"``) are of the step's peak without offloading: the largest, over the
 pairs compiled so far, of the pair's own unplanned peak plus what the others hold unplanned (the
@@ -146,6 +150,7 @@ from typing import Any
 import torch
 
 from .options import format_bytes
+from .runtime.accounting import SMALL_ALLOCATION_BYTES
 
 __all__ = [
     "PairHolding",
@@ -161,8 +166,9 @@ __all__ = [
 
 LEDGER_ATTR = "_trinity_step_ledger"
 # Later pairs' outputs held by the caller below this many bytes in all (a loss scalar) are not
-# counted: a replan of the earlier pairs for them buys nothing (step_check.MIN_TRANSIENT_BYTES).
-MIN_HELD_OUTPUT_BYTES = 4096
+# counted: a replan of the earlier pairs for them buys nothing (the allocator's bookkeeping,
+# runtime.accounting.SMALL_ALLOCATION_BYTES).
+MIN_HELD_OUTPUT_BYTES = SMALL_ALLOCATION_BYTES
 
 
 @dataclass(frozen=True)
@@ -348,7 +354,8 @@ class StepReport:
     def within_budget(self) -> bool:
         """Whether the predicted peak and, where measured, the measured one (each pair's own
         measured peak with what the others are planned to hold) are within the budget; a
-        measurement may be above it by less than :data:`MIN_HELD_OUTPUT_BYTES` (the allocator's
+        measurement may be above it by less than
+        :data:`~offload_compiler.runtime.accounting.SMALL_ALLOCATION_BYTES` (the allocator's
         bookkeeping: a wrapped scalar, a shape buffer, which the plan does not count)."""
         return self.budget_bytes is None or (
             self.predicted_peak_bytes <= self.budget_bytes and not self.measured_above_budget
@@ -356,10 +363,10 @@ class StepReport:
 
     @property
     def measured_above_budget(self) -> bool:
-        """Whether a pair's measured step peak is above the budget by :data:`MIN_HELD_OUTPUT_BYTES`
-        or more."""
+        """Whether a pair's measured step peak is above the budget by
+        :data:`~offload_compiler.runtime.accounting.SMALL_ALLOCATION_BYTES` or more."""
         m = self.measured_peak_bytes
-        return self.budget_bytes is not None and m is not None and m >= self.budget_bytes + MIN_HELD_OUTPUT_BYTES
+        return self.budget_bytes is not None and m is not None and m >= self.budget_bytes + SMALL_ALLOCATION_BYTES
 
     def summary(self) -> str:
         budget = "no limit" if self.budget_bytes is None else format_bytes(self.budget_bytes)
@@ -372,7 +379,7 @@ class StepReport:
                 due = any(
                     p.measured_replan_due
                     for p in self.pairs
-                    if (p.step_measured_peak_bytes or 0) >= self.budget_bytes + MIN_HELD_OUTPUT_BYTES
+                    if (p.step_measured_peak_bytes or 0) >= self.budget_bytes + SMALL_ALLOCATION_BYTES
                 )
                 measured += f": ABOVE the budget, {self.measured_peak_bytes} > {self.budget_bytes} bytes" + (
                     " (planned again at the next call)" if due else " (the runtime check's warning says why)"

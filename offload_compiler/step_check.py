@@ -111,6 +111,7 @@ leaves that thread's profiler session open (on the CPU it is closed at the next 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import warnings
@@ -123,10 +124,18 @@ import numpy as np
 import torch
 
 from .passes.margins import OpKey, WorkspaceMargins, op_key
-from .runtime.accounting import ResidentStorages, param_release_call, replay_allocations, resident_storages
+from .runtime.accounting import (
+    SMALL_ALLOCATION_BYTES,
+    ResidentStorages,
+    param_release_call,
+    replay_allocations,
+    resident_storages,
+)
 from .runtime.pool import live_pool_blocks
 
 __all__ = ["PlannedSteps", "StepMeasurement", "CheckedCompile", "MAX_REPLANS", "measure_step_enabled"]
+
+log = logging.getLogger(__name__)
 
 MAX_REPLANS = 2
 # A forward measured but whose backward never ran (the graph was dropped) is given up after this
@@ -136,7 +145,7 @@ _ATTEMPTS = 3
 # Transients below this (bytes) are the allocator's small bookkeeping (a wrapped scalar, a shape
 # buffer) and are not margins: one op runs at a time, so leaving them out understates a peak by
 # less than this.
-MIN_TRANSIENT_BYTES = 4096
+MIN_TRANSIENT_BYTES = SMALL_ALLOCATION_BYTES
 
 # Forwards in a row, each after a backward of the pair, that must find fewer gradients held from an
 # earlier backward than the plan counts before it is planned again without them
@@ -737,6 +746,35 @@ class CheckedCompile:
         except Exception:  # noqa: BLE001  (the check must never break a backward)
             return None
 
+    def _watches_later(self) -> bool:
+        """Whether this pair's backwards after its measured first step look for later pairs'
+        outputs the caller holds (:meth:`_note_later_outputs`): a graph-break pair of a step with
+        later pairs, under a bytes or percentage budget."""
+        s = self._session
+        step = s.step if s is not None else None
+        return (
+            step is not None
+            and step.split is None
+            and s.planned_steps is not None
+            and s.options.memory_budget.kind in ("bytes", "fraction")
+            and step.ledger.has_later(step.key)
+        )
+
+    def _note_later_outputs(self, grad_outputs):
+        """Backward pre-hook of every call (not only the measured first step): the later pairs'
+        outputs alive as this backward starts go in the ledger
+        (:meth:`~offload_compiler.step_budget.StepLedger.set_later_outputs`, which keeps the
+        most seen), so that a caller who starts holding the logits after the first steps gets the
+        pair planned again for them at its next call (:meth:`_later_due`), or the warning."""
+        now = self._later_outputs_now()
+        if now is not None:
+            try:
+                step = self._session.step
+                step.ledger.set_later_outputs(step.key, now)
+            except Exception:  # noqa: BLE001  (the check must never break a backward)
+                pass
+        return None
+
     def _later_due(self) -> bool:
         """Whether later pairs of the step, compiled after this pair's plan, read inputs that
         exist from the step's start, or return outputs the caller holds through this pair's
@@ -848,6 +886,8 @@ class CheckedCompile:
                 self._backward_seen = True
 
         node.register_hook(ended)
+        if self._watches_later():
+            node.register_prehook(self._note_later_outputs)
         if before is not None:
             earlier = [r for r in self._window if not r.ended]
             others = [r for r in before if r.checker is not self]
@@ -1258,7 +1298,13 @@ class CheckedCompile:
         :meth:`~offload_compiler.pipeline.CompileSession.probe_cap`); ``None`` where it cannot say."""
         session = self._session
         probe = getattr(session, "probe_cap", None) if session is not None else None
-        return probe(cap_bytes) if probe is not None else None
+        if probe is None:
+            return None
+        try:
+            return probe(cap_bytes)
+        except Exception as exc:  # noqa: BLE001  (a failed probe leaves the cap as planned: the next call checks it)
+            log.debug("trinity: probing a cap of %d bytes failed: %s", cap_bytes, exc)
+            return None
 
     def _replan_for_cap(self) -> None:
         """Plan the pair again with the cap the step ledger holds for it (at this call: the
@@ -1393,6 +1439,7 @@ class CheckedCompile:
         with self._lock:
             self._retired.append((self._current, self._session))
             self._session.runtime.pool.release_free()
+            self._session.cap_probe_pair = None  # (only the current plan is probed)
             self._current = compiled
             self._session = session
             self._state = "measure" if self._checkable() else "done"

@@ -439,8 +439,9 @@ class _HeldLogits(_SoftLabels):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten()), logits
 
 
-def _train_held_logits(budget):
-    """Three steps, then one measured, each holding the returned logits through its backward;
+def _train_held_logits(budget, held_from=0):
+    """Three steps, then one measured, each holding the returned logits through its backward
+    from step ``held_from`` on (before it, ``compiled(x, y)[0].backward()`` drops them first);
     returns (model, measurement, gradients of the last step)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -455,8 +456,11 @@ def _train_held_logits(budget):
         loss.backward()
         return logits  # alive through the backward above
 
-    for _ in range(3):
-        step()
+    for i in range(3):
+        if i < held_from:
+            compiled(x, y)[0].backward()
+        else:
+            step()
         model.zero_grad(set_to_none=True)
     m = measure_peak_device_bytes(step, resident=list(model.parameters()) + [x, y], device="cpu")
     return model, m, [p.grad.clone() for p in model.parameters()]
@@ -500,6 +504,16 @@ def test_outputs_the_caller_holds_count_while_earlier_pairs_run():
     eager(x, y)[0].backward()
     for g, e in zip(grads, eager.parameters()):
         assert torch.equal(g, e.grad)
+    # The runtime check measures a pair's first step only: a caller that dropped the logits
+    # there (``compiled(x, y)[0].backward()``) and held them from the third step on was not seen,
+    # and every step from then on ran above the budget by their bytes. Every backward of the
+    # earlier pair now looks for them: the fourth (measured) step is planned for them.
+    model, m, _grads = _train_held_logits(second, held_from=2)
+    report = step_report(model)
+    body, _loss = report.pairs
+    assert body.later_output_bytes == logits_bytes + 4, report.summary()
+    assert report.within_budget, report.summary()
+    assert m.peak_bytes <= report.budget_bytes + PEAK_SLACK_BYTES, (m.peak_bytes, report.summary())
 
 
 def test_pair_refusal_names_the_percentage_an_earlier_pair_needs():

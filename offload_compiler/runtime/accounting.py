@@ -32,7 +32,15 @@ import torch
 from ..ir.ops import PARAM_RELEASE
 from .pool import live_pool_blocks
 
+# Below this many bytes an allocation is the allocator's small bookkeeping (a wrapped scalar, a
+# shape buffer, a loss scalar's storage), which no plan counts: the runtime check leaves transients
+# this small out of its margins (step_check.MIN_TRANSIENT_BYTES), the step ledger does not count
+# held outputs this small (step_budget.MIN_HELD_OUTPUT_BYTES), and the step report takes a measured
+# peak above the budget by less than this as within it.
+SMALL_ALLOCATION_BYTES = 4096
+
 __all__ = [
+    "SMALL_ALLOCATION_BYTES",
     "MemoryMeasurement",
     "ResidentStorages",
     "measure_peak_device_bytes",
