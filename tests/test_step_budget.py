@@ -1297,3 +1297,65 @@ def test_graph_break_recompute_named_budgets_run():
     report = step_report(model)
     assert report.within_budget, report.summary()
     assert m.peak_bytes <= report.budget_bytes + PEAK_SLACK_BYTES, (m.peak_bytes, report.summary())
+
+
+class _Probe:
+    """A runtime check's stand-in for the ledger: its plan under a cap keeps ``kept`` bytes at an
+    own peak of ``own`` bytes, whatever the cap (under strategy="recompute" a cap below what the
+    recomputed chains' leaves keep cannot be met)."""
+
+    def __init__(self, kept: int, own: int):
+        self.kept, self.own, self.asked = kept, own, []
+
+    def probe_cap(self, cap_bytes: int):
+        self.asked.append(cap_bytes)
+        return self.kept, self.own
+
+
+def test_ledger_counts_a_probed_cap_by_the_plan_it_gives():
+    from offload_compiler.step_budget import PairHolding, StepLedger
+
+    def holding(label, kept, own, held=0, held_kept=0):
+        return PairHolding(
+            label=label,
+            kept_bytes=kept,
+            kept_unplanned_bytes=kept,
+            param_bytes=0,
+            input_bytes=0,
+            held_bytes=held,
+            held_unplanned_bytes=held,
+            own_unplanned_peak_bytes=own + 1000,
+            own_planned_peak_bytes=own,
+            budget_bytes=5000,
+            held_kept_bytes=held_kept,
+            own_lowest_peak_bytes=own,
+        )
+
+    ledger = StepLedger(nn.Linear(1, 1))
+    ledger.record("a", holding("a", kept=1000, own=2000))
+    ledger.record("b", holding("b", kept=0, own=4500, held=1000, held_kept=1000))
+    probe = _Probe(kept=600, own=2600)
+    ledger.register_replanner("a", probe)
+    caps, missing = ledger.plan_caps("b", 900)  # down to the offload floor, 0
+    assert caps == {"a": 100} and missing == 0
+    # Without a probe the cap is taken on trust.
+    before = ledger.caps()
+    ledger.set_caps(caps, "b")
+    assert probe.asked == [] and ledger.earlier_kept("b") == 100
+    ledger.restore_caps(before)
+    # Probed: the plan under the cap keeps 600 bytes at an own peak of 2600 bytes; the ledger
+    # counts those, and asks for no less again.
+    ledger.set_caps(caps, "b", probe=True)
+    assert probe.asked == [100]
+    assert ledger.kept_cap("a") == 600 and ledger.earlier_kept("b") == 600
+    first, second = ledger.report().pairs
+    assert first.own_planned_peak_bytes == 2600 and first.kept_cap_bytes == 600
+    assert second.held_bytes == 600 and second.step_peak_bytes == 5100
+    assert ledger.report().predicted_peak_bytes == 5100 and not ledger.report().within_budget
+    assert ledger.plan_caps("b", 100) == ({}, 100)
+    # Planned again (its next call records its plan): the probe's figures give way to it.
+    ledger.record("a", holding("a", kept=600, own=2550))
+    first, _second = ledger.report().pairs
+    assert first.own_planned_peak_bytes == 2550 and ledger.kept_cap("a") == 600
+    with pytest.raises(ValueError, match="a cap must be >= 0 bytes, got -1"):
+        ledger.set_caps({"a": -1}, "b", probe=True)
