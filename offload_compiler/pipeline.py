@@ -1002,10 +1002,13 @@ class CompileSession:
         gradients its own parameters hold from an earlier backward (:attr:`accumulated_grad_bytes`)
         and, once the runtime check measured the pair running N times per step or its compile
         predicted it (:attr:`reuse`), the reuse count and what the earlier runs and other pairs'
-        runs hold besides their kept saved activations."""
+        runs hold besides their kept saved activations. Its cap on the kept saved activations is
+        the ledger's (:meth:`~.step_budget.StepLedger.set_caps`) and, where the pair is planned
+        again after later pairs of the step compiled, at most what they have room for
+        (:meth:`~.step_budget.StepLedger.later_room`); :attr:`kept_cap_bytes` is the ledger's."""
         held = ledger = (0, 0, 0)
         ledger_kept = 0
-        cap = None
+        cap = planning_cap = None
         self.step_held_kept = 0
         if self.step is not None:
             if self.step.split is None:  # (DDP splits pass their outputs on: step_budget)
@@ -1020,6 +1023,10 @@ class CompileSession:
                 held, self.step_held_kept = ledger, ledger_kept
                 if self.options.offload == "activations":
                     cap = self.step.ledger.kept_cap(self.step.key)
+                    # Planned again after later pairs compiled: keep no more than they have room for.
+                    room = self.step.ledger.later_room(self.step.key)
+                    if room is not None:
+                        planning_cap = room if cap is None else min(cap, room)
         self.kept_cap_bytes = cap
         if self.reuse is None:
             self.reuse = self._predicted_reuse(pair)
@@ -1051,7 +1058,7 @@ class CompileSession:
             held_unplanned_bytes=held[1],
             step_unplanned_peak_bytes=held[2],
             reuse_count=reuse.runs if reuse is not None else 1,
-            kept_cap_bytes=cap,
+            kept_cap_bytes=cap if planning_cap is None else planning_cap,
         )
 
     def _grad_sync_model(self):

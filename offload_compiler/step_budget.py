@@ -590,6 +590,33 @@ class StepLedger:
         :attr:`PairHolding.kept_bytes`, or their caps where lower, x their runs)."""
         return sum(self._kept(k, e) * e.runs for k, e in self.earlier(key))
 
+    def later_room(self, key: Any) -> int | None:
+        """The most saved-activation bytes (per run) pair ``key`` may keep across its
+        forward/backward boundary when it is planned again after later pairs of the step compiled
+        (a runtime replan: later pairs' inputs, held gradients, measured workspace), so that no
+        later pair's step peak goes above the step's budget: what the later pairs count it keeping
+        now (:meth:`_kept`) plus the least room any of them has left (the budget less its step
+        peak, :meth:`report`; none where one is above it already: this never asks for less than
+        it keeps, which is :meth:`plan_caps`' job), divided by its runs.
+
+        An earlier pair plans against what the pairs before it hold, not against the later pairs'
+        needs: replanned against the step's final budget (a percentage's base grows as the pairs
+        compile) it would keep what the later pairs were planned without, and the step's check
+        would refuse the step at once, naming a budget at which the same happens again (a
+        fresh-user trial: '75.4%', '82.9%', '89.1%', '94%', '96.4%', none ran).
+
+        Returns ``None`` where ``key`` has no later pair or the step has no budget."""
+        if key not in self._entries or not self.has_later(key):
+            return None
+        report = self.report()
+        if report.budget_bytes is None:
+            return None
+        keys = list(self._entries)
+        later = report.pairs[keys.index(key) + 1 :]
+        slack = min(report.budget_bytes - p.step_peak_bytes for p in later)
+        e = self._entries[key]
+        return self._kept(key, e) + max(0, slack) // e.runs
+
     def kept_cap(self, key: Any) -> int | None:
         """The cap (bytes) on pair ``key``'s kept saved activations, or ``None``."""
         cap = self._caps.get(key)
