@@ -1263,7 +1263,7 @@ class CompileSession:
         first_lowest = the_plan.predictions.lowest_reachable_peak_bytes
         for _ in range(3):  # the lowest peak with recomputation is an estimate: a few rounds
             excess = the_plan.predictions.lowest_reachable_peak_bytes - the_plan.step_budget_bytes
-            caps, missing = ledger.plan_caps(key, excess)
+            caps, missing = ledger.plan_caps(key, excess, probed=True)
             if not caps:
                 break
             ledger.set_caps(caps, self.step.label, probe=True)
@@ -1295,19 +1295,16 @@ class CompileSession:
         floor = sum(e.kept_floor_bytes * e.runs for _k, e in others)
         kept = sum(e.kept_bytes * e.runs for _k, e in others)
         capped = ledger.earlier_kept(key)
-        if capped > floor:
-            # A probe found no plan of theirs that keeps as little (StepLedger.set_caps).
-            how = (
-                f"to keep less, as little as their plans can within their own budgets ({capped} of the {kept} bytes "
-                f"they keep now; {floor} bytes cannot be offloaded"
-                + (
-                    ", but strategy='recompute' offloads none, and recomputing keeps a chain's leaves"
-                    if (self.options.strategy == "recompute")
-                    else ""
-                )
-            )
+        strategy = self.options.strategy
+        if strategy == "offload" and capped <= floor:
+            how = f"to keep only the saved activations that cannot be offloaded ({capped} of the {kept} bytes they keep now"
         else:
-            how = f"to keep only the saved activations that cannot be offloaded ({floor} of the {kept} bytes they keep now"
+            # Their probes' plans (StepLedger.set_caps): what they keep under the caps.
+            by = {
+                "offload": "offloading",
+                "recompute": "recomputing (strategy='recompute' offloads none; a recomputed chain keeps its leaves)",
+            }.get(strategy, "offloading or recomputing")
+            how = f"to keep as little as their plans can within their own budgets, {by} ({capped} of the {kept} bytes they keep now"
         note = (
             f", with the earlier pairs planned again {how}; their caps are kept only where they make this pair fit): "
             f"its lowest step peak is then {the_plan.predictions.lowest_reachable_peak_bytes} bytes (before, "
@@ -1353,7 +1350,7 @@ class CompileSession:
             for k in ledger.keys():
                 p = dict(zip(ledger.keys(), report().pairs))[k]
                 if p.step_peak_bytes > budget:
-                    caps, _missing = ledger.plan_caps(k, p.step_peak_bytes - budget)
+                    caps, _missing = ledger.plan_caps(k, p.step_peak_bytes - budget, probed=True)
                     ledger.set_caps(caps, p.label, probe=True)
             step = report()
             over = [p for p in step.pairs if p.step_peak_bytes > budget]
@@ -1371,11 +1368,7 @@ class CompileSession:
             f"{step.unplanned_peak_bytes} bytes is {budget} bytes; {len(over)} of its {len(step.pairs)} graph "
             f"pairs cannot stay within it, the worst {worst.label} at {worst.step_peak_bytes} bytes "
             f"({worst.own_planned_peak_bytes} its own, {worst.held_bytes} held by the rest of the step"
-            + (
-                ", with the earlier pairs capped to keep only what cannot be offloaded, or as little as their plans can"
-                if self._can_cap()
-                else ""
-            )
+            + (", with the earlier pairs capped to keep as little as their plans can" if self._can_cap() else "")
             + "). "
             + _step_reach(step)
             + "\n"

@@ -645,13 +645,17 @@ class StepLedger:
         """Whether pair ``key``'s runtime check can plan it again (:meth:`register_replanner`)."""
         return self._replanners.get(key) is not None
 
-    def plan_caps(self, key: Any, excess_bytes: int) -> tuple[dict[Any, int], int]:
+    def plan_caps(self, key: Any, excess_bytes: int, probed: bool = False) -> tuple[dict[Any, int], int]:
         """Caps on the kept saved activations of the pairs before ``key`` that lower what they
         hold while it runs by ``excess_bytes``: ``(key -> cap in bytes, bytes still missing)``.
 
         Latest pair first: the pair nearest ``key`` gives what it can (its kept bytes, or its
         cap, down to :attr:`PairHolding.kept_floor_bytes`, or not below a cap its probe could not
-        meet, :meth:`set_caps`; a pair run N times gives N x per byte of cap), then the one before. The latest first because its saved activations are the
+        meet, :meth:`set_caps`; a pair run N times gives N x per byte of cap), then the one
+        before. With ``probed`` (the caps go to :meth:`set_caps` with ``probe``), a pair that may
+        recompute (its runtime check's ``may_recompute``: ``strategy`` other than ``"offload"``)
+        is asked for down to 0 bytes: what cannot be offloaded may be recomputed, and its probe
+        tells what its plan keeps. The latest first because its saved activations are the
         most recent ones, with the shortest host round trip per byte of the earlier pairs (their
         backward comes first of theirs), and a cap changes the fewest pairs. Only pairs that can
         be planned again (:meth:`register_replanner`: ``runtime_check="replan"``,
@@ -661,11 +665,17 @@ class StepLedger:
         for k, e in reversed(self.earlier(key)):
             if left <= 0:
                 break
-            if self._replanners.get(k) is None:
+            replanner = self._replanners.get(k)
+            if replanner is None:
                 continue
             current = self._kept(k, e)
             probe = self._caps.get(k, (None, None, None))[2]
-            floor = current if probe is not None and probe.missed else e.kept_floor_bytes
+            if probe is not None and probe.missed:
+                floor = current
+            elif probed and getattr(replanner, "may_recompute", False):
+                floor = 0
+            else:
+                floor = e.kept_floor_bytes
             room = current - floor
             if room <= 0:
                 continue

@@ -1292,6 +1292,13 @@ class CheckedCompile:
         cap = step.ledger.kept_cap(step.key)
         return cap is not None and cap != s.kept_cap_bytes and cap != self._cap_tried
 
+    @property
+    def may_recompute(self) -> bool:
+        """Whether a cap on this pair may be met by recomputing (``strategy`` other than
+        ``"offload"``) and :meth:`probe_cap` can say what its plan keeps."""
+        s = self._session
+        return s is not None and getattr(s, "cap_probe_pair", None) is not None and s.options.strategy != "offload"
+
     def probe_cap(self, cap_bytes: int) -> tuple[int, int] | None:
         """``(kept bytes, own planned peak bytes)`` of the plan :meth:`_replan_for_cap` would make
         for a cap of ``cap_bytes`` at the next call (the session's
