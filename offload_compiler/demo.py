@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .host_load import BUSY_FRACTION, OtherLoad
 from .models import GPT, GPTConfig
 from .options import TrinityOptions, format_bytes
 from .pipeline import InfeasibleBudgetError
@@ -192,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     ref_model = _LossModel(GPT(cfg)).to(device)
     tri_model = copy.deepcopy(ref_model)
     before = len(reports())
-    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as progress:
+    with (
+        OtherLoad() as load,
+        Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as progress,
+    ):
         task = progress.add_task("reference", total=args.steps)
         ref = _train(
             ref_model,
@@ -250,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     summary.add_row("median step time", f"{ref_t * 1e3:.1f} ms", f"{tri_t * 1e3:.1f} ms", f"{tri_t / ref_t:.2f}")
     summary.add_row("first step (compile)", f"{ref.compile_seconds:.1f} s", f"{tri.compile_seconds:.1f} s", "")
     console.print(summary)
+    if load.fraction is not None and load.fraction >= BUSY_FRACTION:
+        console.print(
+            f"[yellow]Other processes used {load.fraction:.0%} of this machine's CPU while the two runs trained "
+            "(one after the other): their step times, and the ratio, say more about that load than about trinity. "
+            "Run the demo on a quiet machine to compare them.[/yellow]"
+        )
     for r in new_reports:
         console.print(r.summary())
     if device.type == "cpu":

@@ -1492,18 +1492,29 @@ class CheckedCompile:
                     stacklevel=3,
                 )
                 return
-            runs = (
-                f"it ran this graph {reuse.runs} times at once (a block graph reused by {reuse.runs} blocks), so the "
-                f"budget covers the {reuse.runs} runs."
-                if due_reuse is not None and due_reuse.runs > 1
-                else ""
-            )
+            # What the step showed that the plan did not count: the reason for this replan.
+            if due_reuse is not None and due_reuse.runs > 1:
+                runs = (
+                    f"ran this graph {reuse.runs} times at once (a block graph reused by {reuse.runs} blocks), so the "
+                    f"budget covers the {reuse.runs} runs."
+                )
+            elif due_reuse is not None:
+                planned_held = self._session.reuse.held_bytes if self._session.reuse is not None else 0
+                runs = (
+                    f"held {due_reuse.held_bytes} bytes beside this graph's run (runs of other graph pairs that the "
+                    f"step's ledger does not count), where its plan counted {planned_held}, so the budget covers them."
+                )
+            else:
+                runs = ""
             if runs and not m.node_margins:
                 head = f"the first step on this machine {runs}"
             else:
+                within = budget is not None and m.peak_bytes <= budget
                 head = (
-                    f"the first step on this machine measured {m.peak_bytes} bytes against the budget {budget} bytes "
-                    f"(planned {old_report.peak_bytes_planned}); {_describe(m)}" + (f" Also, {runs}" if runs else "")
+                    f"the first step on this machine measured {m.peak_bytes} bytes"
+                    + (", within" if within else " against")
+                    + f" the budget {budget} bytes (planned {old_report.peak_bytes_planned}); {_describe(m)}"
+                    + (f" Also, it {runs}" if runs else "")
                 )
             raise InfeasibleBudgetError(f"trinity graph {old_report.graph_id}: {head} With that: {exc}") from exc
         except Exception as exc:  # a failed replan must not stop training that runs
