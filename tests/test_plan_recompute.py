@@ -166,6 +166,30 @@ def test_known_recomputable_ops():
         assert recompute_chains.refusal(n, rng_replay=False) is None, target
 
 
+def test_attention_probabilities_under_dropout_have_a_chain():
+    """From the fifth fresh-user trial: SDPA with ``dropout_p > 0`` takes the math path, whose
+    softmax is ``aten._safe_softmax``; it was refused as 'no known cost', so the attention
+    probabilities and everything past them (16 saved buffers in a 4-block GPT) could only be kept
+    or offloaded. It is priced as a memory-bound op now, and the dropped-out probabilities are
+    recomputed from their saved RNG state."""
+
+    def attn(w, x):
+        q, k, v = (x @ w).view(2, 16, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.5)
+        return y.sum()
+
+    torch.manual_seed(0)
+    w = (torch.randn(16, 48) * 0.3).requires_grad_(True)
+    pair = capture_pair(attn, w, torch.randn(2, 16, 16), static=(0,))
+    assert any(n.target is torch.ops.aten._safe_softmax.default for n in pair.forward.graph.nodes)
+    live, costs = analyze(pair)
+    analysis = recompute_chains.analyze(pair, live, costs, rng_replay=True)
+    assert not [why for _b, why in analysis.refused if "_safe_softmax" in why], analysis.refused
+    through = [c for c in analysis.chains if any(n.startswith("_safe_softmax") for n in c.nodes)]
+    assert through, [c.nodes for c in analysis.chains]
+    assert any(c.rng_nodes for c in through), "the dropout on the probabilities is not replayed"
+
+
 def test_every_saved_activation_of_a_llama_traced_for_inductor_has_a_chain():
     """Under Inductor's decompositions the rotary positions are ``prims.iota`` (``arange``
     decomposed); it is priced as a memory-bound op, so the rotated q/k can be recomputed (they

@@ -61,6 +61,7 @@ _MEMORY_BOUND_NAMES = (
     "aten.native_layer_norm",
     "aten.native_group_norm",
     "aten._softmax",
+    "aten._safe_softmax",  # SDPA's math path (dropout, masks): softmax with all -inf rows set to 0
     "aten._log_softmax",
     "aten.embedding",
     "aten.native_dropout",
