@@ -378,3 +378,105 @@ def test_hf_model_trains_like_its_reference(arch, inner, budget):
         helps=(arch, inner) not in NOTHING_HELPS,
         known_over=(arch, inner) in MEASURED_OVER_PLAN,
     )
+
+
+# --------------------------------------------------------- recomputation with dropout on
+
+
+def _gpt2_dropout():
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=HIDDEN, n_head=2, n_positions=SEQ, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)  # resid, embd and attn dropout 0.1
+
+
+def _opt_dropout():
+    cfg = transformers.OPTConfig(
+        num_hidden_layers=2, hidden_size=HIDDEN, ffn_dim=2 * HIDDEN, num_attention_heads=2, word_embed_proj_dim=HIDDEN,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, dropout=0.1, attention_dropout=0.1, bos_token_id=0,
+        eos_token_id=0, pad_token_id=1,
+    )  # fmt: skip
+    return transformers.OPTForCausalLM(cfg)
+
+
+DROPOUT_ARCHS = {"gpt2": _gpt2_dropout, "opt": _opt_dropout}
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx):
+        return self.model(input_ids=idx).logits
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("arch", sorted(DROPOUT_ARCHS))
+def test_hf_dropout_models_recompute_through_constants_seeds_and_scans(arch, inner):
+    """From a scan of ``transformers`` models for saved activations the planner could not
+    recompute: ``torch.tensor(...)`` constants (``lift_fresh_copy`` of a ``get_attr``: GPT-2's
+    and OPT's masks), Inductor's dropout seeds (``inductor_lookup_seed`` of ``inductor_seeds``)
+    and OPT's ``cumsum`` position ids were refused, so whatever depends on them could only be
+    kept or offloaded (GPT-2 with dropout, eager: 16 of 48 saved buffers refused). Now only
+    chains longer than ``MAX_CHAIN_NODES`` are, and a recompute-only step at 40% trains
+    bit-identically to ``aot_eager`` (inner eager) or to plain Inductor within float rounding
+    (inner Inductor: the masks must be the same, so the seeds are)."""
+    from offload_compiler import devices
+    from offload_compiler.passes import cost_model, liveness, recompute_chains
+    from offload_compiler.pipeline import prepare
+    from offload_compiler.trace import trace_training_step
+
+    def build():
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = DROPOUT_ARCHS[arch]()
+        model.train()
+        return model
+
+    pair = trace_training_step(lambda: _Logits(build()), BATCH, SEQ, VOCAB, inner=inner).pair
+    prepare(pair, inner)
+    live = liveness.analyze(pair, assume_fusion=inner == "inductor")
+    costs = cost_model.estimate(pair, live, devices.lookup_device("h100-sxm"))
+    analysis = recompute_chains.analyze(pair, live, costs, rng_replay=inner == "eager")
+    too_long = f"longer than {recompute_chains.MAX_CHAIN_NODES} nodes"
+    assert [why for _b, why in analysis.refused if too_long not in why] == []
+    kinds = {leaf.kind for c in analysis.chains for leaf in c.leaves}
+    assert ("seeds" if inner == "inductor" else "rng state") in kinds, kinds
+    if inner == "eager":  # (Inductor's decompositions fold the constants into the graph)
+        assert "constant" in kinds, kinds
+
+    ids = _ids(1)
+
+    def train(backend, options=None):
+        torch._dynamo.reset()
+        model = build()
+        compiled = torch.compile(model, backend=backend, options=options)
+        out = []
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="trinity: memory_budget")
+            for k in range(STEPS):
+                torch.manual_seed(10 + k)
+                loss = compiled(input_ids=ids, labels=ids).loss
+                loss.backward()
+                out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+                model.zero_grad(set_to_none=True)
+        return out
+
+    before = len(offload_compiler.reports())
+    options = {"inner": inner, "strategy": "recompute", "memory_budget": "40%", "on_infeasible": "warn"}
+    trinity = train("trinity", options)
+    reports = offload_compiler.reports()[before:]
+    assert sum(r.recompute["num_recomputed"] for r in reports if r.recompute) > 0
+    plain = train("aot_eager" if inner == "eager" else "inductor")
+    torch._dynamo.reset()
+    for k, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(trinity, plain)):
+        if inner == "eager":
+            assert torch.equal(loss, ref_loss), f"step {k} loss"
+            for i, (g, r) in enumerate(zip(grads, ref_grads)):
+                assert torch.equal(g, r), f"step {k} gradient {i}: max diff {(g - r).abs().max()}"
+        else:  # a different mask would differ by the gradients' size, not by rounding
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            for g, r in zip(grads, ref_grads):
+                torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)

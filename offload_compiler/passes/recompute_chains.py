@@ -9,7 +9,10 @@ those views from values the backward has anyway. Walking back from each saved vi
   activation, which the plan may itself keep, offload or recompute; a parameter's saved view; a
   saved size symbol);
 * a forward placeholder (a parameter or an input, live the whole step anyway) that is not
-  saved: the rewrite adds it as a new saved value;
+  saved, or a tensor constant of the forward module (``get_attr``; ``torch.tensor(...)`` in the
+  model): the rewrite adds it as a new saved value;
+* Inductor's dropout seeds (``prims.inductor_seeds``, drawn once per forward), also added as a
+  new saved value, as Inductor's own partitioner saves them;
 * the random-number state of a random op (see below), also added as a new saved value;
 
 and every other node on the way is recomputed. A chain is refused (the buffer can only be kept
@@ -72,6 +75,7 @@ _MEMORY_BOUND_NAMES = (
     "aten.randn",
     "aten._to_copy",
     "aten.clone",
+    "aten.lift_fresh_copy",  # a copy of a constant (``torch.tensor(...)`` in the model)
     "aten.cat",
     "aten.stack",
     "aten.index_select",
@@ -94,26 +98,29 @@ _MEMORY_BOUND_NAMES = (
     "aten.nll_loss_forward",
     "aten.mean",
     "aten.sum",
+    "aten.cumsum",  # a scan: reads and writes each element once (OPT's position ids)
     "aten.amax",
     "aten.var_mean",
     "aten._fused_rms_norm",
     "prims.convert_element_type",
     "prims.inductor_random",
+    "prims.inductor_lookup_seed",  # one element of the seeds tensor
     "prims.iota",  # arange under Inductor's decompositions
 )
 
 
-def _packets(names) -> frozenset:
-    out = set()
-    for name in names:
-        ns, _, op = name.partition(".")
-        packet = getattr(getattr(torch.ops, ns), op, None) if hasattr(torch.ops, ns) else None
-        if packet is not None:
-            out.add(packet)
-    return frozenset(out)
+# By qualified name ("aten::_softmax"), not by op packet: Inductor's prims (``inductor_random``,
+# ``inductor_seeds``) exist only once ``torch._inductor`` is imported, which may come after this
+# module (a packet set built at import left them out, and dropout under Inductor was refused).
+_MEMORY_BOUND = frozenset(name.replace(".", "::", 1) for name in _MEMORY_BOUND_NAMES)
+_INDUCTOR_RANDOM = "prims::inductor_random"
+_INDUCTOR_SEEDS = "prims::inductor_seeds"
 
 
-_MEMORY_BOUND = _packets(_MEMORY_BOUND_NAMES)
+def _op_name(target) -> str | None:
+    """``"aten::mm"`` for an ATen-style op overload, ``None`` for anything else."""
+    return target._schema.name if isinstance(target, torch._ops.OpOverload) else None
+
 
 # Size arithmetic on symbolic ints (dynamic shapes).
 _SYM_OPS = frozenset(
@@ -140,7 +147,8 @@ class Leaf:
         bw_node: the backward placeholder that has it, or ``None``: the rewrite adds one (a new
             saved value, named like the forward node).
         kind: ``"saved"`` (a saved tensor), ``"symint"`` (a saved size), ``"parameter"``,
-            ``"input"`` or ``"rng state"`` (see the module docstring).
+            ``"input"``, ``"constant"`` (a tensor attribute of the forward module),
+            ``"seeds"`` (Inductor's dropout seeds) or ``"rng state"`` (see the module docstring).
         buffer: the liveness buffer of a ``"saved"`` leaf (``None`` otherwise).
         fw_ref / bw_ref: the forward node and the backward placeholder as references into the
             graphs analysed; for an ``"rng state"`` leaf (a node the rewrite makes) ``fw_ref`` is
@@ -229,7 +237,7 @@ def _known_cost(node: fx.Node) -> bool:
     packet = getattr(target, "overloadpacket", None)
     if packet is None:
         return False
-    if flop_packet(target) is not None or packet in _MEMORY_BOUND:
+    if flop_packet(target) is not None or _op_name(target) in _MEMORY_BOUND:
         return True
     tags = target.tags
     if torch.Tag.pointwise in tags or torch.Tag.reduction in tags:
@@ -261,7 +269,7 @@ def refusal(node: fx.Node, rng_replay: bool) -> str | None:
         return f"{node.name!r} ({target}) has side effects"
     if _is_collective(node):
         return f"{node.name!r} ({target}) is a collective"
-    if target is prims.inductor_random.default:
+    if _op_name(target) == _INDUCTOR_RANDOM:
         pass  # deterministic given its seed argument, which is saved (a leaf)
     elif _is_random(target) and not _deterministic_sdpa(node):
         if not rng_replay:
@@ -279,7 +287,7 @@ def _rng_replayed(node: fx.Node) -> bool:
         isinstance(node.target, torch._ops.OpOverload)
         and _is_random(node.target)
         and not _deterministic_sdpa(node)
-        and node.target is not prims.inductor_random.default
+        and _op_name(node.target) != _INDUCTOR_RANDOM
     )
 
 
@@ -340,6 +348,17 @@ def analyze(pair: GraphPair, liveness: Liveness, costs: Costs, rng_replay: bool 
                     kind, buf = "symint" if not isinstance(n.meta.get("val"), torch.Tensor) else "saved", None
                 ph = links[n]
                 leaves[n] = Leaf(n.name, ph.name, kind, buf, fw_ref=n, bw_ref=ph)
+                continue
+            if n not in own_set and (n.op == "get_attr" or _op_name(n.target) == _INDUCTOR_SEEDS):
+                # A constant of the forward module, or Inductor's dropout seeds (drawn once per
+                # forward; saved, the random ops they seed replay bit-identically): a new saved
+                # value, as Inductor's partitioner saves the seeds itself.
+                if not isinstance(n.meta.get("val"), torch.Tensor):
+                    reason = f"needs {n.name!r}, which is not a tensor"
+                elif n.name in bw_names:
+                    reason = f"needs {n.name!r}, whose name the backward already uses"
+                else:
+                    leaves[n] = Leaf(n.name, None, "constant" if n.op == "get_attr" else "seeds", fw_ref=n)
                 continue
             if n.op == "placeholder":
                 if not isinstance(n.meta.get("val"), torch.Tensor):
