@@ -157,6 +157,11 @@ def test_known_recomputable_ops():
         (torch.ops.aten.gelu.default, (x,)),  # pointwise
         (torch.ops.aten.t.default, (x,)),  # a view
         (torch.ops.aten._log_softmax.default, (x, 1, False)),  # listed memory-bound op
+        # listed too, found refused in transformers models (fresh-user trials, a scan)
+        (torch.ops.aten._safe_softmax.default, (x, 1)),
+        (torch.ops.aten.fill.Tensor, (x, x)),
+        (torch.ops.aten.cumsum.default, (x, 1)),
+        (torch.ops.aten.lift_fresh_copy.default, (x,)),
         # torch registers no formula for the CPU attention kernel; the flash kernel's counts it,
         # as in the cost model (dropout_p=0: deterministic)
         (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (x, x, x, 0.0, True)),

@@ -84,6 +84,7 @@ _MEMORY_BOUND_NAMES = (
     "aten.where",
     "aten.arange",
     "aten.full",
+    "aten.fill",  # out of place (a masked_fill's functionalized form)
     "aten.zeros",
     "aten.ones",
     "aten.scalar_tensor",
