@@ -85,7 +85,15 @@ def main() -> None:
             a16,
         ),
     }
+    scores = torch.randn(8, 2, 32, 32)
     print(f"torch {torch.__version__}, device cpu")
+    for t in (scores, scores.bfloat16()):
+        transient, _ = transient_bytes(lambda t=t: aten._safe_softmax.default(t, -1))
+        rows = t.numel() // t.shape[-1]
+        print(
+            f"_safe_softmax {t.dtype}: transient {transient} bytes = numel {t.numel()} + rows {rows} "
+            f"+ {transient - t.numel() - rows} (_WORKSPACE_FN: numel + rows + element_size {t.element_size()})"
+        )
     loss = aten.mse_loss.default(a, a, 1)
     print(
         f"mse_loss mean output: {tuple(loss.shape)}, storage {loss.untyped_storage().nbytes()} bytes "

@@ -159,7 +159,16 @@ def _with_runtime_check(compiled, gm, example_inputs, options, mode):
             )
             with torch._guards.tracing(ctx) if ctx is not None else contextlib.nullcontext():
                 compiled = _compile(
-                    gm, fakes, opts, mode, {}, margins=margins, step=session.step, reuse=reuse, grad_bytes=grad_bytes
+                    gm,
+                    fakes,
+                    opts,
+                    mode,
+                    {},
+                    margins=margins,
+                    step=session.step,
+                    reuse=reuse,
+                    grad_bytes=grad_bytes,
+                    replan_of=session,
                 )
                 _push_ddp_bucket(ctx)
             again = session_of(compiled)
@@ -187,7 +196,9 @@ def _push_ddp_bucket(ctx) -> None:
     ddp_ctx.metadata_per_bucket.append(ctx.fw_metadata)
 
 
-def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=None, reuse=None, grad_bytes=0):
+def _compile(
+    gm, example_inputs, options, mode, unexpected, margins=None, step=None, reuse=None, grad_bytes=0, replan_of=None
+):
     if unexpected:
         raise ValueError(
             f"trinity backend: unexpected arguments {sorted(unexpected)}; pass trinity's settings as "
@@ -209,6 +220,9 @@ def _compile(gm, example_inputs, options, mode, unexpected, margins=None, step=N
     )
     session = CompileSession(opts, device, runtime)
     session.margins = margins
+    if replan_of is not None:  # the runtime check's replan: what the pair's first compile found
+        session.replan_of_compile = True
+        session.compile_floor_percent = replan_of.compile_floor_percent
     session.reuse = reuse  # the runs per step the runtime check measured (step_budget.StepReuse)
     from .param_offload import real_parameters
 

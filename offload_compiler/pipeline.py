@@ -948,6 +948,14 @@ class CompileSession:
         # on this pair's own that the ledger gave its plan (StepLedger.set_caps; None: none).
         self.step_held_kept = 0
         self.kept_cap_bytes: int | None = None
+        # The smallest percentage budget this pair's first compile ran within (its lowest step
+        # peak then, over the step's unplanned peak as far as the compile saw it). A replan's
+        # refusal, which sees more of the step, names no less: a fresh start compiles the pair
+        # first, before the rest of the step, and would refuse a smaller one (a sixth fresh-user
+        # trial: a block graph found run twice at its first step named 50.1%, refused there).
+        self.compile_floor_percent: str | None = None
+        # Whether this session is the runtime check's replan of a pair compiled before (set by the backend).
+        self.replan_of_compile = False
         # What the step holds outside the pair as its ledger entry records it (for the step report,
         # step_budget.StepReport): step_held with a bytes or percentage budget; with "auto" or none,
         # which are not planned against the ledger, the ledger's holdings all the same. And its part
@@ -1438,6 +1446,11 @@ class CompileSession:
             # Earlier pairs keep saved activations this pair cannot fit beside: cap them.
             the_plan, cap_note = self._cap_earlier(pair, the_plan)
             act, view, joint = the_plan.activations, the_plan.activation_liveness, the_plan.joint
+        if not self.reports and not self.replan_of_compile and self.compile_floor_percent is None:
+            self.compile_floor_percent = plan_window.lowest_budget_percent(
+                the_plan.predictions.lowest_reachable_peak_bytes,
+                max(the_plan.predictions.unplanned_peak_bytes, self.step_held[2]),
+            )
         if not act.feasible:
             # A percentage budget is a fraction of the peak resolve_budget saw (with parameter
             # offload, the one with every parameter resident).
@@ -1494,10 +1507,21 @@ class CompileSession:
                         f"{earlier_peak} bytes"
                     )
                     lowest = earlier_peak
+                percent = plan_window.lowest_budget_percent(lowest, step_unplanned)
+                floor = self.compile_floor_percent if self.replan_of_compile else None
+                of_step = f"of the step's peak without offloading ({step_unplanned} bytes so far)"
+                if floor is not None and float(floor[:-1]) > float(percent[:-1]):
+                    of_step += (
+                        f" ({percent} would be, but a fresh start compiles this graph before it sees the rest "
+                        f"of the step, and its compile needs {floor})"
+                    )
+                    percent = floor
+                bytes_note = (
+                    "" if self.replan_of_compile else " for the graph pairs compiled so far (later ones may add to it)"
+                )
                 reach = (
-                    f"{held_text}, so the lowest budget that runs is"
-                    f" memory_budget='{plan_window.lowest_budget_percent(lowest, step_unplanned)}' of the step's"
-                    f" peak without offloading ({step_unplanned} bytes so far), or memory_budget={lowest} (bytes)."
+                    f"{held_text}, so the lowest budget that runs is memory_budget='{percent}' {of_step},"
+                    f" or memory_budget={lowest} (bytes){bytes_note}."
                 )
             described = act
             # What the rest of the step holds while this pair runs (the earlier runs' kept bytes,

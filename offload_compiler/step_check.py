@@ -1508,13 +1508,17 @@ class CheckedCompile:
                 runs = ""
             if runs and not m.node_margins:
                 head = f"the first step on this machine {runs}"
+            elif runs:  # the reason first: one run's own peak is within the budget (trial 6)
+                head = (
+                    f"the first step on this machine {runs} One run of it measured {m.peak_bytes} bytes (planned "
+                    f"{old_report.peak_bytes_planned}); {_describe(m)}"
+                )
             else:
                 within = budget is not None and m.peak_bytes <= budget
                 head = (
                     f"the first step on this machine measured {m.peak_bytes} bytes"
                     + (", within" if within else " against")
                     + f" the budget {budget} bytes (planned {old_report.peak_bytes_planned}); {_describe(m)}"
-                    + (f" Also, it {runs}" if runs else "")
                 )
             raise InfeasibleBudgetError(f"trinity graph {old_report.graph_id}: {head} With that: {exc}") from exc
         except Exception as exc:  # a failed replan must not stop training that runs

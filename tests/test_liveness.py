@@ -308,6 +308,29 @@ def test_convolution_workspace_counts_at_its_step():
     assert live.bytes_by_kind(conv)["workspace"] == 72
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_safe_softmax_workspace_is_what_the_allocator_measures(dtype):
+    """SDPA's math path (dropout or a mask) runs ``aten._safe_softmax``, which allocates a bool
+    mask of its input's size, a bool per row and a 0-d fill value inside itself. A sixth
+    fresh-user trial's attention blocks measured its 16,900 bytes above the plan at the first
+    step (the runtime check named them); the plan counts them now, as the allocator's trace does."""
+    from bench.workspace_probe import transient_bytes
+
+    def fn(w, x):
+        q, k, v = (x @ w).view(4, 16, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.5).sum()
+
+    torch.manual_seed(0)
+    w = torch.randn(16, 48, dtype=dtype, requires_grad=True)
+    pair = capture_pair(fn, w, torch.randn(4, 16, 16, dtype=dtype), static=(0,))
+    (node,) = pair.forward.graph.find_nodes(op="call_function", target=torch.ops.aten._safe_softmax.default)
+    live = liveness.analyze(pair)
+    val = node.args[0].meta["val"]  # (the math path computes the scores of bf16 inputs in fp32)
+    scores = torch.randn(val.shape, dtype=val.dtype)
+    measured, _ = transient_bytes(lambda: torch.ops.aten._safe_softmax.default(scores, *node.args[1:], **node.kwargs))
+    assert live.workspace_bytes[live.step_named("forward", node.name)] == measured > scores.numel()
+
+
 def test_random_op_under_an_rng_state_wrapper_is_counted_at_its_step():
     """``run_and_save_rng_state(native_dropout, x, p, train)`` returns ``(state, (output, mask))``:
     a nested tuple. The dropout's output and mask are allocated at the wrapper's step, with the

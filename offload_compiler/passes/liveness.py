@@ -403,6 +403,25 @@ _WORKSPACE = {
     torch.ops.aten.native_dropout_backward.default: (0, 1.0),
 }
 
+
+def _safe_softmax_workspace(node: fx.Node, args) -> int:
+    """``aten._safe_softmax`` (SDPA's math path, with dropout or a mask) on CPU: a bool mask of
+    the input's size (which elements are -inf), a bool per row (whether all are), and the fill
+    value, a 0-d tensor of the input's dtype: ``numel + numel / size[dim] + element_size``
+    bytes (bench/workspace_probe.py; torch 2.13, fp32 and bf16 alike; a sixth fresh-user trial's
+    attention blocks measured these 16,900 bytes above the plan at the first step)."""
+    t = args[0].meta.get("val") if args and isinstance(args[0], fx.Node) else None
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return 0
+    dim = args[1] if len(args) > 1 and isinstance(args[1], int) else -1
+    numel = hint_int(t.numel())
+    return numel + numel // max(1, hint_int(t.shape[dim])) + t.element_size()
+
+
+# Workspaces that are no multiple of one tensor's bytes: op -> f(node, args) -> bytes.
+_SAFE_SOFTMAX = getattr(getattr(torch.ops.aten, "_safe_softmax", None), "default", None)
+_WORKSPACE_FN = {_SAFE_SOFTMAX: _safe_softmax_workspace} if _SAFE_SOFTMAX is not None else {}
+
 # Outputs whose real storage is larger than their fake value's: op -> (argument index, factor of
 # that argument's bytes). aten.mse_loss returns its scalar in a storage of the input's size (CPU,
 # torch 2.13; bench/workspace_probe.py prints it), alive as long as the loss is.
@@ -457,6 +476,8 @@ def _workspace(node: fx.Node) -> int:
     if node.op != "call_function":
         return 0
     target, args, _ = called_op(node)  # a random op under an RNG-state wrapper: the op's
+    if target in _WORKSPACE_FN:
+        return int(_WORKSPACE_FN[target](node, args))
     if target not in _WORKSPACE:
         return 0
     which, factor = _WORKSPACE[target]
