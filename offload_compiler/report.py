@@ -346,7 +346,12 @@ class TrinityReport:
             + ("; one compute stream, see streams below)" if self.streams else ")"),
         ]
         if self.fits_without_plan:
-            why = "no budget" if self.budget_bytes is None else "the budget is at or above the unplanned peak"
+            if self.budget_bytes is None:
+                why = "no budget"
+            elif self.budget_bytes >= self.peak_bytes_unplanned:
+                why = "the budget is at or above the unplanned peak"
+            else:  # (the step's earlier pairs' plans lowered what they hold while this one runs)
+                why = "the budget is at or above its peak with what the rest of the step holds under their plans"
             lines.insert(3, f"  plan       fits without a plan ({why})")
         rc = self.recompute
         if rc and rc.get("num_recomputed"):
@@ -370,8 +375,12 @@ class TrinityReport:
             lines.append(f"  not timed  {op} ({n} call{'s' if n != 1 else ''}): {why}; the roofline times it")
         if self.compute_seconds > 0 and self.exposed_transfer_seconds > 0.05 * self.compute_seconds:
             lines.append(
-                f"  note       the budget is met only with {self.exposed_transfer_seconds * 1e3:.3f} ms of copies "
-                f"not hidden under compute ({100 * self.exposed_transfer_seconds / self.compute_seconds:.0f}% of "
+                (
+                    f"  note       the budget is met only with {self.exposed_transfer_seconds * 1e3:.3f} ms of copies "
+                    if self.feasible
+                    else f"  note       the lowest-peak plan has {self.exposed_transfer_seconds * 1e3:.3f} ms of copies "
+                )
+                + f"not hidden under compute ({100 * self.exposed_transfer_seconds / self.compute_seconds:.0f}% of "
                 "compute); a larger budget or a faster host link hides them"
             )
         if self.param_offload:

@@ -7,6 +7,7 @@ chosen by ``strategy="auto"`` on device figures with a slow host link, where cop
 exposed and recomputing is cheaper.
 """
 
+import dataclasses
 import functools
 import json
 import re
@@ -208,6 +209,18 @@ def test_fits_without_a_plan_rewrites_nothing():
     assert r.fits_without_plan and r.num_evicted == 0 and r.recompute["num_recomputed"] == 0
     assert "fits without a plan" in r.summary()
     assert dict(r.pass_seconds).get("insert_recompute") is None
+    assert "(the budget is at or above the unplanned peak)" in r.summary()
+    # From the sixth fresh-user trial: a pair after a graph break (a loss) fits beside what the
+    # earlier pair keeps under its plan, not beside what it keeps unplanned; the summary said
+    # "the budget is at or above the unplanned peak" beside an unplanned peak above the budget.
+    beside = dataclasses.replace(r, budget_bytes=r.peak_bytes_unplanned - 1)
+    assert "(the budget is at or above its peak with what the rest of the step holds under their plans)" in (
+        beside.summary()
+    )
+    # A lowest-peak plan (on_infeasible="warn") meets no budget: its exposed copies are its own.
+    exposed = dataclasses.replace(r, exposed_transfer_seconds=r.compute_seconds, feasible=False)
+    assert "the lowest-peak plan has" in exposed.summary() and "budget is met only" not in exposed.summary()
+    assert "the budget is met only with" in dataclasses.replace(exposed, feasible=True).summary()
 
 
 def test_report_and_dumps_show_the_choice(tmp_path):
