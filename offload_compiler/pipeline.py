@@ -1508,7 +1508,9 @@ class CompileSession:
                     )
                     lowest = earlier_peak
                 percent = plan_window.lowest_budget_percent(lowest, step_unplanned)
-                floor = self.compile_floor_percent if self.replan_of_compile else None
+                # (Only for a graph found run more than once: a seventh fresh-user trial's
+                # gradient accumulation got a floor its fresh start did not need, unexplained.)
+                floor = self.compile_floor_percent if self.replan_of_compile and runs > 1 else None
                 of_step = f"of the step's peak without offloading ({step_unplanned} bytes so far)"
                 if floor is not None and float(floor[:-1]) > float(percent[:-1]):
                     of_step += (
