@@ -306,7 +306,9 @@ class TrinityOptions:
             ``"pcie"``.
         solver_time_limit: seconds the joint planner's MIP solver (``strategy="auto"``,
             ``passes/plan_recompute.py``) searches per program before it stops at its best
-            solution so far (soft: without one it searches on,
+            solution so far, counted in the solver thread's CPU time
+            (:func:`~offload_compiler.passes.plan_recompute.solver_clock`: other processes on
+            the machine do not change the plan) (soft: without one it searches on,
             :data:`~offload_compiler.passes.plan_recompute.SOLVER_START_PATIENCE_S` more when
             the recompute-only choice is known to fit, else up to ``max(this, 10)`` s). Default
             0.5 (the demo GPT at 48 layers plans in 1.6 s on H100 figures); a larger value can

@@ -10,7 +10,10 @@ exposed and recomputing is cheaper.
 import dataclasses
 import functools
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -434,3 +437,35 @@ def test_the_percentage_a_recompute_refusal_names_runs():
     (r,) = sbs.reports()
     assert r.feasible and r.recompute["num_recomputed"] > 0 and r.num_evicted == 0, r.summary()
     check_peak(sbs, batch)
+
+
+def test_a_busy_machine_gets_the_same_plan():
+    """The solver's time limits count its thread's CPU time (``plan_recompute.solver_clock``), not
+    wall time: with more busy processes than cores beside the compile, the attention blocks'
+    recompute refusal is word for word the one an idle machine gives. A CI run at 460c0e0 with
+    tests running beside it failed test_the_percentage_a_recompute_refusal_names_runs: the
+    lowest-peak program (0.19 s of CPU, its optimum found at 0.19 s) took 0.49 s of wall time
+    with three busy processes, near the 0.5 s wall-clock limit that stopped it at an earlier
+    incumbent. With a 0.3 s limit it was stopped there on every loaded run."""
+    batch = (torch.randint(0, 64, (8, 128)), torch.randint(0, 64, (8, 128)))
+
+    def refusal() -> str:
+        torch._dynamo.reset()
+        sbs = SideBySide(_DropoutBlocks, "eager", budget="25%", strategy="recompute", solver_time_limit=0.3)
+        with pytest.raises(Exception) as info:
+            seeded_step(sbs, batch, 1)
+        inner = getattr(info.value, "inner_exception", info.value)
+        assert isinstance(inner, InfeasibleBudgetError), inner
+        return str(inner)
+
+    idle = refusal()
+    busy_count = len(os.sched_getaffinity(0)) + 2
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy_count)]
+    try:
+        loaded = refusal()
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert re.search(r"memory_budget='([0-9.]+%)'", idle), idle
+    assert loaded == idle

@@ -23,7 +23,8 @@ the budget. It is made in three stages:
    synchronous (the device is the host CPU: :attr:`.cost_model.Costs.synchronous_copies`), an
    offload costs its two copies' seconds instead, and there are no channels. The solver has a soft time
    limit (:data:`SOLVER_TIME_LIMIT_S`: then it stops at its first feasible solution) and a hard
-   one (:data:`SOLVER_HARD_LIMIT_S`); without ``highspy``, or when it finds no solution in time, a
+   one (:data:`SOLVER_HARD_LIMIT_S`), both in its thread's CPU seconds (:func:`solver_clock`), so
+   that how busy the machine is does not change the plan; without ``highspy``, or when it finds no solution in time, a
    greedy fallback ranks chains by recompute seconds per byte freed and tries prefixes of that
    ranking. The plan says which was used. When the program is infeasible (no choice meets the
    budget), the same program with a peak variable in place of the budget (the lowest-peak
@@ -67,6 +68,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -84,6 +86,8 @@ __all__ = [
     "STRATEGIES",
     "SOLVER_TIME_LIMIT_S",
     "SOLVER_HARD_LIMIT_S",
+    "SOLVER_WALL_FACTOR",
+    "solver_clock",
     "Recompute",
     "RecomputePlan",
     "JointPlan",
@@ -98,9 +102,15 @@ __all__ = [
 
 STRATEGIES = ("auto", "offload", "recompute")
 SOLVER_TIME_LIMIT_S = 0.5
-"""Seconds after which the solver returns its best solution so far (soft: see :meth:`_Model.solve`)."""
+"""Solver seconds (:func:`solver_clock`) after which the solver returns its best solution so far
+(soft: see :meth:`_Model.solve`)."""
 SOLVER_HARD_LIMIT_S = 10.0
-"""Seconds the solver may search for a first feasible solution before the greedy fallback."""
+"""Solver seconds (:func:`solver_clock`) the solver may search for a first feasible solution
+before the greedy fallback."""
+SOLVER_WALL_FACTOR = 4.0
+"""The wall-clock backstop of a solve: HiGHS's own ``time_limit`` (wall seconds) is this many
+times the hard limit in solver seconds, so that a solve stops on a machine so busy that the
+solver's thread gets less than a quarter of a core (only there may the plan depend on the load)."""
 SOLVER_START_PATIENCE_S = 0.5
 """Seconds past the soft time limit that the joint program searches for a first incumbent once the
 recompute-only choice is known feasible (:func:`choose`; that choice is scored either way), and
@@ -115,6 +125,22 @@ _MIN_PEAK_TIME_WEIGHT = 1e-4
 1e6 units span the unplanned peak, 1e4 the step's compute): a tie-break, so that of two plans
 with the same peak the faster one wins."""
 _PREFIX_FRACTIONS = (0.125, 0.25, 0.5, 1.0)
+
+
+def solver_clock() -> float:
+    """Seconds of CPU time the calling thread has used (``time.thread_time``): the clock of the
+    solver's time limits.
+
+    HiGHS runs single-threaded (``threads=1``) in the calling thread, and its search is the same
+    on every run of the same program; only where a time limit stops it depends on the clock. The
+    thread's CPU time, unlike wall time, does not advance while other processes hold the cores,
+    so the same program on the same machine gets the same plan whether the machine is idle or
+    busy. Measured on this 2-core machine with three busy processes beside the solver: every
+    incumbent of six programs came at the same CPU seconds within 10% and in the same order,
+    at up to 2.1x the wall seconds; a compile test whose solve took 0.2 s idle and 0.49 s of wall
+    time loaded had stopped at an earlier incumbent under the 0.5 s wall-clock limit and named
+    another budget."""
+    return time.thread_time()
 
 
 def have_solver() -> bool:
@@ -485,13 +511,18 @@ class _Model:
         on small programs where it finds offloads without one); it bounds the joint program's
         ``hard_limit`` instead.
 
-        ``time_limit`` (seconds) is soft: once it has passed, the solver stops at the first moment
-        it holds a feasible solution (at once if it already does). Without one it searches on,
-        up to ``hard_limit`` (seconds, default :data:`SOLVER_HARD_LIMIT_S`), so that a machine
-        busy with other work gets a later plan, not a much worse one (llama-1b on H100 figures
-        at the per-block checkpoint peak: no solution in 0.5 s on a loaded 2-core machine, so the
-        greedy fallback's 194 ms step, against the solver's 80.6 ms after 2 s). With a
-        ``highspy`` without MIP callbacks the limit is ``time_limit``, hard.
+        ``time_limit`` (solver seconds, :func:`solver_clock`: the thread's CPU time, so that the
+        plan does not depend on what else the machine runs) is soft: once it has passed, the
+        solver stops at the first moment it holds a feasible solution (at once if it already
+        does). Without one it searches on, up to ``hard_limit`` (solver seconds, default
+        :data:`SOLVER_HARD_LIMIT_S`), so that a program whose first incumbent comes late gets a
+        later plan, not a much worse one (llama-1b on H100 figures at the per-block checkpoint
+        peak: no solution in 0.5 s on a loaded 2-core machine, so the greedy fallback's 194 ms
+        step, against the solver's 80.6 ms after 2 s). HiGHS's own ``time_limit`` (wall seconds)
+        is :data:`SOLVER_WALL_FACTOR` x the hard limit, a backstop. The limits are checked where
+        HiGHS calls back (between its root node's rounds and nodes: about every 0.2 s at most on
+        the demo GPT at 48 layers). With a ``highspy`` without MIP callbacks the limit is
+        ``time_limit`` wall seconds, hard.
         """
         import highspy
 
@@ -523,22 +554,30 @@ class _Model:
         h.setOptionValue("mip_rel_gap", 1e-3)
         h.setOptionValue("threads", 1)
         hard = max(float(time_limit), SOLVER_HARD_LIMIT_S if hard_limit is None else float(hard_limit))
-        start = time.perf_counter()
+        start = solver_clock()
+        caller = threading.get_ident()
 
         first = [None]  # the first incumbent's objective: the start's, when there is one
+        stopped = [False]  # whether a limit below stopped it (HiGHS says "Interrupted by user")
 
         def stop_when_solved(event) -> None:
+            if threading.get_ident() != caller:  # a highspy that solves in another thread:
+                return  # its CPU clock is not the caller's; HiGHS's wall limit (time_limit) holds
+            elapsed = solver_clock() - start
             # mip_primal_bound: the incumbent's objective (+inf while there is none).
             bound = event.data_out.mip_primal_bound
             if bound >= inf:
+                if elapsed >= hard:  # no solution within the hard limit: the greedy fallback
+                    stopped[0] = True
+                    event.interrupt()
                 return
             if first[0] is None:
                 first[0] = bound
-            elapsed = time.perf_counter() - start
             if elapsed < time_limit:
                 return
             improved = bound < first[0] - 1e-9 * max(1.0, abs(first[0]))
             if not mip_start or improved or elapsed >= time_limit + SOLVER_START_PATIENCE_S:
+                stopped[0] = True
                 event.interrupt()
 
         self.incumbents = []
@@ -549,7 +588,7 @@ class _Model:
         try:
             h.cbMipInterrupt.subscribe(stop_when_solved)
             h.cbMipImprovingSolution.subscribe(record)
-            h.setOptionValue("time_limit", hard)
+            h.setOptionValue("time_limit", SOLVER_WALL_FACTOR * hard)
         except AttributeError:  # highspy before the callback descriptors (1.8)
             h.setOptionValue("time_limit", float(time_limit))
         h.passModel(lp)
@@ -561,6 +600,8 @@ class _Model:
                 pass
         h.run()
         status = h.modelStatusToString(h.getModelStatus())
+        if stopped[0] and h.getModelStatus() == highspy.HighsModelStatus.kInterrupt:
+            status = "Time limit reached"  # ours, in solver seconds
         info = h.getInfo()
         self.dual_bound = float(info.mip_dual_bound)  # model units (the objective's)
         if info.primal_solution_status != 2:  # 2: a feasible solution
@@ -845,10 +886,10 @@ def choose(
             try:
                 # The recompute-only program (what strategy="recompute" solves, so that auto
                 # scores it too) is small and easy: at most a quarter of the time; the joint one
-                # what the first left. The time counted is the solver's own, from each program's
-                # start: a pause between them (building the joint program, the host's other
-                # work, a garbage collection in a large process) must not cut the joint search
-                # short. On the Llama preset at the per-block checkpoint peak (H100 figures) the
+                # what the first left. The time counted is the solver's own (solver_clock, the
+                # thread's CPU time), from each program's start: a pause between them (building
+                # the joint program, the host's other work, a garbage collection in a large
+                # process) must not cut the joint search short. On the Llama preset at the per-block checkpoint peak (H100 figures) the
                 # joint program's incumbents come at 0.05, 0.18 and 0.84 s; a share shrunk below
                 # 0.18 s stopped it at the second, a 15.85 ms step against the third's 15.75 ms
                 # (the GPU frontier run at 6742d7e).
@@ -864,10 +905,10 @@ def choose(
                     model, xo, xr = _build_model(
                         live, costs, offs, list(chains), budget, with_offload, True, earlier_runs, kept_cap
                     )
-                    started = time.perf_counter()
+                    started = solver_clock()
 
                     def time_left(with_offload: bool = with_offload, started: float = started) -> float:
-                        return max(0.05, share(with_offload) - (time.perf_counter() - started))
+                        return max(0.05, share(with_offload) - (solver_clock() - started))
 
                     # The recompute-only choice is scored whatever the joint program finds, so
                     # once it is known feasible the joint program searches for its first
@@ -900,7 +941,7 @@ def choose(
                         )
                         status, sol = model.solve(time_left(with_offload))
                         statuses.append(f"{name}: {status}")
-                    solving[0] += time.perf_counter() - started
+                    solving[0] += solver_clock() - started
                     if sol is None:
                         continue
                     chosen = frozenset(b for b, v in xr.items() if sol[v] > 0.5)
