@@ -35,8 +35,9 @@ class MeasuredCorrection:
     """How the runtime check of the first steps (``step_check.py``) corrected a plan.
 
     Attributes:
-        first_measured_peak_bytes: the peak measured in the first measured step, with the plan
-            made before any measurement (bytes).
+        first_measured_peak_bytes: the peak measured in the step of the plan made before any
+            measurement that led to the first replan (its first step, or under Inductor the step
+            after it: the first backward compiles the backward graph) (bytes).
         first_planned_peak_bytes: that plan's predicted peak (bytes).
         margins: ``(graph:node, op, bytes)``: per node, the workspace measured on this machine
             beyond what the plan modelled for it (``passes/liveness.py``'s table), which the
@@ -484,7 +485,7 @@ class TrinityReport:
             where = ", ".join(f"{node} ({op}) +{format_bytes(b)}" for node, op, b in top)
             lines.append(
                 f"  corrected  replanned {c.replans}x after measuring {format_bytes(c.first_measured_peak_bytes)} "
-                f"in the first step (planned {format_bytes(c.first_planned_peak_bytes)}): "
+                f"in the first plan's measured step (planned {format_bytes(c.first_planned_peak_bytes)}): "
                 + (f"{c.reuse_count} runs per step, " if c.reuse_count > 1 else "")
                 + f"workspace margins at {len(c.margins)} nodes, {format_bytes(c.total_margin_bytes)} in all"
                 + (f" ({where})" if where else "")

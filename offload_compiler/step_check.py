@@ -308,6 +308,12 @@ class _Trace:
         # Device bytes of later graph pairs' outputs alive when the backward started (the loss
         # the caller holds: StepLedger.later_outputs_alive; None: not a graph-break pair).
         self.later_outputs: int | None = None
+        # Device storages of the one-element gradients the backward receives (a scalar loss's
+        # seed, which torch.autograd.backward holds until every backward has run; liveness counts
+        # such a tangent through the whole backward), as its pre-hook sees them (ptr -> bytes):
+        # allocated before the backward's trace starts and freed after it stops, the trace sees
+        # neither (stop() adds both).
+        self.tangents: dict[int, int] = {}
         self._open: Any = None
         self._open_thread: int | None = None
         self._cuda_before = 0
@@ -331,8 +337,17 @@ class _Trace:
         prof.__exit__(None, None, None)
         if self.device.type == "cuda":
             self.cuda_delta += torch.cuda.memory_allocated(self.device) - self._cuda_before
+        first, first_release = len(self.allocations), len(self.releases)
         self._collect(prof)
         self.phases.append(phase)
+        if phase == "backward" and self.tangents:
+            # The tangents, alive from before the backward's first event to after its last: one
+            # allocation and one free each, at pointers no allocator hands out (negative).
+            times = [e[0] for e in self.allocations[first:]] + [t for t, _ in self.releases[first_release:]]
+            if times:
+                t0, t1 = min(times), max(times)
+                for i, nbytes in enumerate(self.tangents.values(), 1):
+                    self.allocations += [(t0 - 1, -i, nbytes), (t1 + 1, -i, -nbytes)]
 
     @property
     def is_open(self) -> bool:
@@ -977,6 +992,19 @@ class CheckedCompile:
             trace.retain_graph = _backward_keeps_graph()
             trace.later_outputs = self._later_outputs_now()
             try:
+                # Tangents not already counted: the step's resident inputs, or storages the
+                # forward's trace allocated (a gradient that aliases one).
+                allocated = {ptr for _t, ptr, size in trace.allocations if size > 0}
+                scalars = [g for g in _flat_tensors(grad_outputs) if g.numel() == 1]
+                trace.tangents = {
+                    ptr: nbytes
+                    for ptr, nbytes in resident_storages(scalars, planned.device).items()
+                    if ptr not in (trace.resident or {}) and ptr not in allocated
+                }
+            except Exception as exc:  # the check must never break a backward
+                self._give_up(trace, exc)
+                return None
+            try:
                 trace.start("backward")
             except Exception as exc:  # the check must never break a backward
                 self._give_up(trace, exc)
@@ -1082,6 +1110,11 @@ class CheckedCompile:
                 and not retained
             )
             if (explained or reuse_due or unexplained) and can_replan:
+                if self._replans == 0:
+                    # The report names the measurement that led to the first replan: under
+                    # Inductor that can be the step after the first (a fresh-user trial's report
+                    # named the first step's 29.36 MiB, within its budget, as the reason).
+                    self._first = (m.peak_bytes, old.peak_bytes_planned)
                 self._due = m
                 self._due_reuse = (seen if predicted else seen.merged(planned_reuse)) if reuse_due else None
                 self._due_reserve = m.unexplained_bytes if unexplained else 0

@@ -100,11 +100,13 @@ def test_live_ranges(live):
     )
     g = buffer_holding(live, "backward:mm_1")
     assert (g.def_step, g.last_step) == (14, last)
-    # Temporaries and the tangent: definition to last reader.
+    # Temporaries: definition to last reader.
     mm = buffer_holding(live, "forward:mm")
     assert (mm.def_step, mm.last_step, mm.use_steps) == (2, 3, (3,))
+    # The scalar loss's tangent (the seed loss.backward() makes): the whole backward, since
+    # torch.autograd.backward holds it until every backward has run (its last reader is 13).
     tangent = buffer_holding(live, "backward:tangents_1")
-    assert (tangent.def_step, tangent.last_step) == (11, 13)
+    assert (tangent.def_step, tangent.last_step, tangent.use_steps[-1]) == (11, last, 13)
     # The saved activation: tanh (3) to its backward reader tanh_backward (13). Its last forward
     # reader is sum_1 (5); the detaches exist only to be saved and do not count. Idle gap: the
     # steps strictly between 5 and 13.
@@ -133,13 +135,20 @@ def test_live_bytes_by_hand(live):
         w + x + tanh + out + tangent,  # 11 tangents_1
         w + x + tanh + out + tangent,  # 12 expand
         w + x + tanh + out + tangent + tbw,  # 13 tanh_backward
-        w + x + out + tbw + grad,  # 14 mm_1
-        w + x + out + grad,  # 15 output
+        w + x + out + tangent + tbw + grad,  # 14 mm_1 (the seed: to the end)
+        w + x + out + tangent + grad,  # 15 output
     ]
     assert live.live_bytes().tolist() == expected
-    assert live.peak_bytes == 188
+    assert live.peak_bytes == 192
     assert live.peak_step == 14
-    assert live.bytes_by_kind(14) == {"parameter": 60, "gradient": 60, "temporary": 40, "input": 24, "output": 4}
+    assert live.bytes_by_kind(14) == {
+        "parameter": 60,
+        "gradient": 60,
+        "temporary": 40,
+        "input": 24,
+        "output": 4,
+        "tangent": 4,
+    }
     saved_id = buffer_holding(live, "forward:tanh").id
     assert live.bytes_by_kind(7, removed=frozenset({saved_id})) == {"parameter": 60, "input": 24, "output": 4}
 
@@ -147,7 +156,7 @@ def test_live_bytes_by_hand(live):
 def test_live_bytes_is_a_copy(live):
     a = live.live_bytes()
     a[:] = 0
-    assert live.live_bytes().max() == 188
+    assert live.live_bytes().max() == 192
 
 
 def test_saved_tensors(live):
@@ -412,7 +421,7 @@ def test_meta_device_graph():
     live = liveness.analyze(tanh_mm_pair(device="meta"))
     assert live.device == "meta"
     assert all(b.device == "meta" and b.on_device for b in live.buffers)
-    assert live.peak_bytes == 188
+    assert live.peak_bytes == 192
 
 
 def test_fusion_models_inductors_addmm_pattern():
@@ -617,3 +626,18 @@ def test_split_late_addmm_keeps_a_product_where_the_graph_computes_it():
         assert torch.equal(
             gm(*args)[0] if fn is read_again else gm(*args), (fn(*args)[0] if fn is read_again else fn(*args))
         )
+
+
+def test_a_larger_tangent_lives_to_its_last_reader():
+    """A tangent of more than one element (the gradient of a hidden state that a graph-broken
+    step's later pair passes back, made by the autograd engine) is freed at its last reader, as
+    measured; only a one-element one (a loss's seed) is counted to the end of the backward."""
+
+    def f(w, x):
+        return torch.tanh(x @ w) * 2
+
+    pair = capture_pair(f, torch.randn(5, 5, requires_grad=True), torch.randn(64, 5), static=(0,))
+    live = liveness.analyze(pair)
+    (tangent,) = [b for b in live.buffers if b.kind is BufferKind.TANGENT]
+    assert tangent.size_bytes == 64 * 5 * 4
+    assert tangent.last_step == tangent.use_steps[-1] < live.num_steps - 1

@@ -271,11 +271,11 @@ def test_recompute_only_infeasible_budget_advises_what_helps_recomputation():
     min_offload_bytes only where it holds back every kept saved activation), not "lower
     min_offload_bytes" alone, nor what offloading would reach (not planned under "recompute")."""
     # The MLP's 8 tanh outputs (512 KiB each at n=1024) and its 2 other saved buffers: 4 of the 10
-    # recomputed at the lowest peak (3994244 bytes against 6025348 unplanned: 66.3%), 6 kept.
+    # recomputed at the lowest peak (3994248 bytes against 6025352 unplanned: 66.3%), 6 kept.
     for mob in (0, 1 << 20):
         text = _infeasible_text("recompute", mob)
-        assert "lowest peak any plan reaches, 3.81 MiB (3994244 bytes; 5.75 MiB without recomputation)" in text
-        assert "The lowest budget that runs is memory_budget='66.3%'" in text and "memory_budget=3994244" in text
+        assert "lowest peak any plan reaches, 3.81 MiB (3994248 bytes; 5.75 MiB without recomputation)" in text
+        assert "The lowest budget that runs is memory_budget='66.3%'" in text and "memory_budget=3994248" in text
         assert "strategy='recompute' never offloads" in text
         assert "can be offloaded" not in text and "Offloading cannot" not in text
         assert "lower min_offload_bytes" not in text and "strategy='auto' may also offload" not in text

@@ -123,7 +123,8 @@ def test_scratch_workspace_is_measured_and_replanned(inner):
     text = r.summary()
     assert f"measured   {format_bytes(r.measured_peak_bytes)} peak in this plan's first step" in text, text
     assert (
-        f"corrected  replanned 1x after measuring {format_bytes(c.first_measured_peak_bytes)} in the first step" in text
+        f"corrected  replanned 1x after measuring {format_bytes(c.first_measured_peak_bytes)} in the first plan's measured step"
+        in text
     )
 
 

@@ -10,7 +10,13 @@ live range runs from the first node that holds it to its last reader:
   them after the graph returns);
 * saved activations: from their definition in the forward to their last reader in the backward;
   the span between the last forward reader and the first backward reader is the **idle gap**;
-* tangents and temporaries: definition to last reader.
+* tangents (the gradients of the forward's outputs that the backward receives): definition to
+  last reader, except one-element tangents, through the whole backward: a scalar loss's seed
+  (``torch.ones_like(loss)``, made by ``loss.backward()``) is held by ``torch.autograd.backward``
+  until every backward has run (a fresh-user trial: a byte budget named by a refusal measured 4
+  bytes above it). A larger tangent made by the engine (the gradient of the hidden state that a
+  graph-broken step's later pair passes back) is freed at its last reader, as measured;
+* temporaries: definition to last reader.
 
 Memory at step ``s`` is the sum of the buffers live at ``s`` (a node's output is allocated while
 its inputs are still live). Sizes are storage bytes from ``meta["val"]``; symbolic sizes are kept
@@ -1094,7 +1100,9 @@ def _buffers(
             nbytes = floor
         uses = sorted(info["uses"])
         end = max([info["def"]] + uses)
-        if kind in (BufferKind.PARAMETER, BufferKind.INPUT, BufferKind.OUTPUT, BufferKind.GRADIENT):
+        if kind in (BufferKind.PARAMETER, BufferKind.INPUT, BufferKind.OUTPUT, BufferKind.GRADIENT) or (
+            kind is BufferKind.TANGENT and t is not None and hint_int(t.numel()) == 1
+        ):
             end = sched.last
         tdev = t.device if t is not None else device
         on_device = kind is not BufferKind.HOST and (tdev == device or device.type == "cpu")
