@@ -156,7 +156,11 @@ class MemoryBudget:
                         fraction = float(pct / 100)
                     ok = pct.is_finite() and 0 < pct <= 100
                 except (decimal.InvalidOperation, ValueError):
-                    ok = False
+                    raise ValueError(
+                        f"trinity option {key!r}: got {value!r}; {text[:-1].strip()!r} before the '%' is not a "
+                        "number: a percentage is a number in (0, 100] followed by '%', such as '50%' or '37.5%' (a "
+                        "fraction of the training step's peak without offloading)"
+                    ) from None
                 if not ok:
                     raise ValueError(
                         f"trinity option {key!r}: got {value!r}; a percentage must be in (0%, 100%] "
@@ -545,7 +549,11 @@ def _validate(name: str, value: Any, where: str) -> Any:
         raise bad("a directory path (str or os.PathLike) or None")
     if name == "verify":
         if not isinstance(value, bool):
-            raise bad("True or False")
+            raise bad(
+                "True or False (in the environment: 1, true, yes or on; 0, false, no or off)"
+                if str(where).startswith("TRINITY_")
+                else "True or False"
+            )
         return value
     if name in ("min_offload_bytes", "budget_reserve_bytes"):
         return parse_size(where, value)

@@ -254,13 +254,28 @@ def test_fractional_percentages_round_trip_exactly(pct):
     assert_round_trips(opts)
 
 
-@pytest.mark.parametrize("bad", ["0%", "150%", "100.5%", "abc%", "-10%", "%", "nan%", "inf%"])
+@pytest.mark.parametrize("bad", ["0%", "150%", "100.5%", "-10%", "nan%", "inf%"])
 def test_bad_percentages(bad):
     with pytest.raises(ValueError) as info:
         build({"memory_budget": bad})
     msg = str(info.value)
     assert "'memory_budget'" in msg and repr(bad) in msg
     assert "(0%, 100%]" in msg
+
+
+@pytest.mark.parametrize("bad, before", [("abc%", "abc"), ("%", ""), ("50%%", "50%"), ("5 0%", "5 0")])
+def test_malformed_percentages_say_what_is_not_a_number(bad, before):
+    """A fresh-user trial: '50%%' was refused as out of range ('must be in (0%, 100%]')."""
+    with pytest.raises(ValueError) as info:
+        build({"memory_budget": bad})
+    msg = str(info.value)
+    assert "'memory_budget'" in msg and repr(bad) in msg
+    assert f"{before!r} before the '%' is not a number" in msg and "such as '50%'" in msg
+
+
+def test_a_bad_environment_boolean_says_which_strings_are_allowed():
+    with pytest.raises(ValueError, match=r"'TRINITY_VERIFY': got 'maybe'.*1, true, yes or on; 0, false, no or off"):
+        build(env={"TRINITY_VERIFY": "maybe"})
 
 
 @pytest.mark.parametrize("bad", ["lots", "12 parsecs", -1, 0.5, True, [1], pytest.param(10**400, id="10**400")])
