@@ -87,6 +87,9 @@ class PlanRow:
     recompute_flops: int = 0
     chosen: str = ""
     solver_bound_seconds: float | None = None
+    peak_breakdown: tuple[tuple[str, int], ...] = ()
+    """Device bytes by buffer kind at the row's planned peak (the training step's graphs; the
+    optimizer state is apart), largest first."""
 
     def to_json(self) -> dict:
         """The row for scripts: budget, planned peak, lowest reachable, predicted step, exposed
@@ -421,6 +424,7 @@ def plan_step(
                 recompute_flops=rp.recompute_flops if rp else 0,
                 chosen=rp.chosen if rp else "offload only",
                 solver_bound_seconds=rp.solver_bound_seconds if rp else None,
+                peak_breakdown=tuple(pp.activations.peak_breakdown),
             )
         )
     return PlanResult(
@@ -831,6 +835,30 @@ def main(argv: list[str] | None = None) -> int:
     else:
         console.print(f"no budget in the list keeps the predicted step within 5% of {ref_name}")
     lowest = min(r.lowest_reachable_bytes for r in result.rows)
+    infeasible = [r for r in result.rows if not r.feasible]
+    if infeasible:
+        # What sets the floor (the backend's refusal says the same): the lowest-peak plan's peak.
+        floor = min(infeasible, key=lambda r: r.planned_peak_bytes)
+        total = sum(b for _k, b in floor.peak_breakdown) or 1
+        parts = ", ".join(f"{kind} {format_bytes(b)} ({100 * b / total:.0f}%)" for kind, b in floor.peak_breakdown if b)
+        state = (
+            f"; the optimizer state, {format_bytes(result.optimizer_state_bytes)}, stays on the device beside it"
+            if result.offload == "activations" and result.optimizer_state_bytes
+            else ""
+        )
+        model_state = sum(b for k, b in floor.peak_breakdown if k in ("parameter", "gradient"))
+        hint = ""
+        if result.offload != "all" and (model_state >= total / 2 or result.optimizer_state_bytes >= total / 2):
+            hint = (
+                "; with --offload activations only saved activations move: --offload all moves parameters, "
+                "gradients and optimizer state to host memory"
+                if result.offload == "activations"
+                else "; --offload all also moves gradients and optimizer state to host memory"
+            )
+        console.print(
+            f"rows marked infeasible are below the lowest peak any plan reaches, {format_bytes(lowest)}; at that "
+            f"peak the step's graphs hold {parts}{state}{hint}"
+        )
     if lowest > spec.memory_bytes:
         console.print(
             f"[yellow]even offloading every saved activation, the step needs {format_bytes(lowest)} > "

@@ -146,6 +146,11 @@ def test_main_prints_table_and_writes_frontier(tmp_path, capsys):
     assert "parameters" in out and "60%" in out and "infeasible" in out
     # The infeasible 10 KiB row's lowest-peak plan fits the L4 (it said "no" before).
     assert "lowest fits" in out
+    # What sets the floor is said, as the backend's refusal says it (a fresh-user trial: llama-1b at
+    # 1024 tokens printed only "infeasible: lowest 10.93 GiB" in every row).
+    flat = " ".join(out.split())
+    assert "rows marked infeasible are below the lowest peak any plan reaches" in flat, out
+    assert "the optimizer state" in flat and "stays on the device beside it" in flat, out
     assert "smallest budget within 5% of the no-offload step" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -326,3 +331,14 @@ def test_no_png_is_written_unless_asked(tmp_path, monkeypatch, capsys):
     assert main(["--model", "demo", "--seq-len", "64", "--budgets", "100%"]) == 0
     assert "frontier:" not in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_infeasible_rows_breakdown_and_optimizer_state_make_its_peak():
+    """The breakdown the table's note prints (by buffer kind at the lowest-peak plan's peak) plus
+    the optimizer state on the device is that row's planned peak: the note explains the floor."""
+    result = plan_model("demo", KNOWN_DEVICES["l4"], ["10KiB"], batch=4, seq_len=64, dtype=torch.float32)
+    (row,) = result.rows
+    assert not row.feasible and row.peak_breakdown
+    kinds = dict(row.peak_breakdown)
+    assert kinds["parameter"] > 0 and kinds["gradient"] > 0, kinds
+    assert sum(kinds.values()) + result.optimizer_state_bytes == row.planned_peak_bytes
