@@ -373,7 +373,8 @@ class StepReport:
         measured = ""
         if self.measured_peak_bytes is not None:
             measured = (
-                f"; measured {format_bytes(self.measured_peak_bytes)} (each pair's own peak in its plan's first step)"
+                f"; measured {format_bytes(self.measured_peak_bytes)} (each pair's own peak in its plan's first "
+                "step, while the pair runs: code outside the compiled graphs is neither planned nor measured)"
             )
             if self.measured_above_budget:
                 due = any(
