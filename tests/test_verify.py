@@ -59,13 +59,14 @@ def test_correct_rewrite_passes_with_the_planned_peak(name):
 def test_feasible_plan_peak_by_hand():
     """mlp4 at 1700 B evicts tanh and prefetches it before mm_7, which is then the peak:
     weights 256 + x 256 + sum 4 + tanh (back) 256 + tanh_1 256 + two weight gradients 128 +
-    tanh_backward_1 256 + mm_7 256 = 1668 B. Measured again on the rewritten graphs."""
+    tanh_backward_1 256 + mm_7 256 + the loss's tangent 4 = 1672 B. Measured again on the rewritten
+    graphs."""
     make, _ = CASES["mlp4_one"]
     live, _ = analyze(make())
     pair, plan = rewritten("mlp4_one")
-    assert plan.peak_bytes_planned == 256 + 256 + 4 + 256 + 256 + 128 + 256 + 256
+    assert plan.peak_bytes_planned == 256 + 256 + 4 + 256 + 256 + 128 + 256 + 256 + 4
     assert live.steps[plan.peak_step_planned].node == "mm_7"
-    assert verify.verify(pair, 1700, expected_peak_bytes=1668) == 1668
+    assert verify.verify(pair, 1700, expected_peak_bytes=1672) == 1672
 
 
 @pytest.mark.parametrize("name", ["mlp4_one", "mlp4_all", "qkv_span"])
@@ -209,6 +210,6 @@ def test_all_errors_are_listed_together():
 
 def test_unrewritten_pair_passes_with_its_own_peak():
     pair = mlp4_pair()
-    assert verify.verify(pair, None, expected_peak_bytes=1860) == 1860
+    assert verify.verify(pair, None, expected_peak_bytes=1864) == 1864
     with pytest.raises(VerificationError, match="exceeds the budget"):
-        verify.verify(pair, 1859)
+        verify.verify(pair, 1863)
