@@ -992,14 +992,12 @@ class CheckedCompile:
             trace.retain_graph = _backward_keeps_graph()
             trace.later_outputs = self._later_outputs_now()
             try:
-                # Tangents not already counted: the step's resident inputs, or storages the
-                # forward's trace allocated (a gradient that aliases one).
-                allocated = {ptr for _t, ptr, size in trace.allocations if size > 0}
+                # Tangents not already counted among the step's resident inputs.
                 scalars = [g for g in _flat_tensors(grad_outputs) if g.numel() == 1]
                 trace.tangents = {
                     ptr: nbytes
                     for ptr, nbytes in resident_storages(scalars, planned.device).items()
-                    if ptr not in (trace.resident or {}) and ptr not in allocated
+                    if ptr not in (trace.resident or {})
                 }
             except Exception as exc:  # the check must never break a backward
                 self._give_up(trace, exc)

@@ -476,23 +476,6 @@ def test_tied_head_product_split_from_its_addmm(budget, tmp_path):
         assert r.feasible and m.peak_bytes <= r.budget_bytes + PEAK_SLACK_BYTES, (m.peak_bytes, r.summary())
 
 
-class _ResidualMLPLoss(torch.nn.Module):
-    """A fresh-user trial's model: four residual MLP blocks and a classifier, returning the loss."""
-
-    def __init__(self, d=512, depth=4):
-        super().__init__()
-        nn = torch.nn
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d), nn.LayerNorm(d)) for _ in range(depth)
-        )
-        self.head = nn.Linear(d, 10)
-
-    def forward(self, x, y):
-        for layer in self.layers:
-            x = x + layer(x)
-        return torch.nn.functional.cross_entropy(self.head(x), y)
-
-
 @pytest.mark.parametrize("strategy", ["offload", "recompute"])
 def test_the_byte_budget_a_refusal_names_holds_to_the_byte(strategy):
     """From a fresh-user trial: the byte figure a refusal names ('memory_budget=38920276 (bytes)')
@@ -500,7 +483,8 @@ def test_the_byte_budget_a_refusal_names_holds_to_the_byte(strategy):
     torch.autograd.backward holds until every backward has run (liveness counted it to its last
     reader, and the runtime check, which sees neither its allocation nor its free, not at all).
     Passed back, the named figure holds with no slack: the step measured the README's way, the
-    runtime check's measurement and the plan are all within it."""
+    runtime check's measurement and the plan are all within it (here on the tests' MLP at 25%,
+    where the seed made it 8,347,272 bytes against 8,347,268)."""
     import re
 
     from offload_compiler.pipeline import InfeasibleBudgetError
@@ -508,13 +492,12 @@ def test_the_byte_budget_a_refusal_names_holds_to_the_byte(strategy):
     def compiled(budget):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = _ResidualMLPLoss()
+        model = models.MLP()
         opts = {"memory_budget": budget, "inner": "eager", "strategy": strategy}
         return model, torch.compile(model, backend="trinity", options=opts)
 
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(512, 512, generator=g), torch.randint(0, 10, (512,), generator=g)
-    model, step = compiled("75%")
+    x, y = models.mlp_batch()
+    model, step = compiled("25%")
     with pytest.raises(Exception) as info:
         step(x, y).backward()
     inner = getattr(info.value, "inner_exception", info.value)

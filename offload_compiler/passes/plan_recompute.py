@@ -554,16 +554,19 @@ class _Model:
         h.setOptionValue("mip_rel_gap", 1e-3)
         h.setOptionValue("threads", 1)
         hard = max(float(time_limit), SOLVER_HARD_LIMIT_S if hard_limit is None else float(hard_limit))
-        start = solver_clock()
+        start, wall_start = solver_clock(), time.perf_counter()
         caller = threading.get_ident()
 
         first = [None]  # the first incumbent's objective: the start's, when there is one
         stopped = [False]  # whether a limit below stopped it (HiGHS says "Interrupted by user")
 
         def stop_when_solved(event) -> None:
-            if threading.get_ident() != caller:  # a highspy that solves in another thread:
-                return  # its CPU clock is not the caller's; HiGHS's wall limit (time_limit) holds
-            elapsed = solver_clock() - start
+            # A highspy that called back from another thread: that thread's CPU clock is not the
+            # caller's, so wall time (the limits then depend on the load, as before solver_clock).
+            if threading.get_ident() == caller:
+                elapsed = solver_clock() - start
+            else:
+                elapsed = time.perf_counter() - wall_start
             # mip_primal_bound: the incumbent's objective (+inf while there is none).
             bound = event.data_out.mip_primal_bound
             if bound >= inf:
