@@ -48,6 +48,7 @@ from ..ir.alias import plain_tensors, schema_view_of, span_bytes, tensor_span_by
 from ..ir.meta import TARGET_DEVICE_KEY
 from ..ir.ops import EVICT, PARAM_FETCH, PARAM_RELEASE, PREFETCH
 from ..ir.refs import node_ref
+from .gc_pause import paused_gc
 from .margins import WorkspaceMargins
 
 __all__ = [
@@ -701,7 +702,15 @@ def analyze(pair: GraphPair, assume_fusion: bool = False, margins: WorkspaceMarg
     Raises:
         ValueError: if a node's ``meta["val"]`` is missing where a tensor is expected (the graphs
             were not traced with fake tensors).
+
+    Python's cyclic garbage collector is paused while it runs (:mod:`.gc_pause`).
     """
+    with paused_gc():
+        return _analyze(pair, assume_fusion, margins)
+
+
+def _analyze(pair: GraphPair, assume_fusion: bool, margins: WorkspaceMargins | None) -> Liveness:
+    """:func:`analyze` without pausing the garbage collector (:mod:`.gc_pause`)."""
     device = graph_device(pair)
     fw_nodes = list(pair.forward.graph.nodes)
     bw_nodes = list(pair.backward.graph.nodes)
@@ -785,13 +794,18 @@ def _schedule(fw_nodes: list[fx.Node], bw_nodes: list[fx.Node]) -> _Schedule:
 @dataclass(frozen=True)
 class _Keys:
     """Storage keys per node (one per plain tensor of its value) and their union-find: the root
-    of a key is its buffer."""
+    of a key is its buffer. ``node_roots``: each node's keys' roots, computed once the union-find
+    is complete (every union is made in :func:`_storage_keys`)."""
 
     uf: _UnionFind
     node_keys: dict[fx.Node, list]
     key_tensor: dict
+    node_roots: dict[fx.Node, list] = field(default_factory=dict)
 
     def roots(self, node: fx.Node) -> list:
+        got = self.node_roots.get(node)
+        if got is not None:
+            return got
         return [self.uf.find(k) for k in self.node_keys.get(node, ())]
 
 
@@ -807,16 +821,22 @@ def _storage_keys(fw_nodes: list[fx.Node], bw_nodes: list[fx.Node], links: list)
     uf = _UnionFind()
     node_keys: dict[fx.Node, list] = {}
     key_tensor: dict = {}
+    # Each node's plain tensors' storages, made once (a reader looks its inputs' up here), by
+    # their storage's address (``_cdata``, what StorageWeakRef hashes and compares, without
+    # making a weak reference per lookup): every value is held by its node's meta while this runs.
+    node_storages: dict[fx.Node, list] = {}
     for graph_name, nodes in (("forward", fw_nodes), ("backward", bw_nodes)):
         for n in nodes:
             keys = []
             input_keys: dict = {}
             if n.op != "placeholder":
                 for m in n.all_input_nodes:
-                    for t, k in zip(plain_tensors(tensor_vals(m)), node_keys.get(m, ())):
-                        input_keys.setdefault(StorageWeakRef(t.untyped_storage()), k)
-            for i, t in enumerate(plain_tensors(tensor_vals(n))):
-                st = StorageWeakRef(t.untyped_storage())
+                    for st, k in zip(node_storages.get(m, ()), node_keys.get(m, ())):
+                        input_keys.setdefault(st, k)
+            tensors = plain_tensors(tensor_vals(n))
+            storages = [t.untyped_storage()._cdata for t in tensors]
+            node_storages[n] = storages
+            for i, (t, st) in enumerate(zip(tensors, storages)):
                 if n.op == "placeholder":
                     k = ("placeholder", graph_name, st)
                 elif st in input_keys:
@@ -835,7 +855,9 @@ def _storage_keys(fw_nodes: list[fx.Node], bw_nodes: list[fx.Node], links: list)
         ph = link.bw_placeholder
         if ph is not None and node_keys.get(link.fw_node) and node_keys.get(ph):
             uf.union(node_keys[link.fw_node][0], node_keys[ph][0])
-    return _Keys(uf, node_keys, key_tensor)
+    find = uf.find
+    node_roots = {n: [find(k) for k in keys] for n, keys in node_keys.items()}
+    return _Keys(uf, node_keys, key_tensor, node_roots)
 
 
 def _buffer_kinds(pair: GraphPair, fw_nodes: list[fx.Node], keys: _Keys, links: list) -> dict:

@@ -77,6 +77,7 @@ import numpy as np
 from ..ir.meta import RECOMPUTE_KEY
 from ..ir.refs import node_ref, plain_dict
 from .cost_model import Costs
+from .gc_pause import paused_gc
 from .liveness import BufferKind, Liveness
 from .plan_window import Plan, _groups
 from .plan_window import plan as plan_offload
@@ -1176,18 +1177,14 @@ def plan_joint(
         kept_cap: at most this many bytes of boundary-crossing saved activations stay on the
             device across the forward/backward boundary (module docstring); ``None``: no cap.
 
-    Python's cyclic garbage collector is paused while it plans (and restored after): the planner
+    Python's cyclic garbage collector is paused while it plans (:mod:`.gc_pause`): the planner
     allocates many small objects while the graphs keep millions alive, and each collection walks
     them all (at 48 layers the model building took 2.8 s with it, 0.17 s without).
 
     Raises:
         ValueError: for an unknown ``strategy``.
     """
-    import gc
-
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with paused_gc():
         return _plan_joint(
             pair,
             live,
@@ -1203,9 +1200,6 @@ def plan_joint(
             earlier_runs,
             kept_cap,
         )
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _plan_joint(
