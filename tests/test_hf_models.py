@@ -488,7 +488,8 @@ def test_the_step_after_inductors_lazy_backward_compile_is_measured_too():
     backward, and that first step measured 361 KB while every later step used 398 KB, above the
     391,904-byte budget, with no warning: the runtime check had measured only the first step.
     Under Inductor it now measures the next step of a plan too, and plans again for what that
-    shows: from then on the step is within its budget."""
+    shows: from then on the step is within its budget. Whether the second step exceeds the budget
+    depends on the machine's Inductor kernels; either way the step after is within it."""
     from offload_compiler.step_budget import LEDGER_ATTR
 
     cfg = transformers.LlamaConfig(
@@ -517,11 +518,18 @@ def test_the_step_after_inductors_lazy_backward_compile_is_measured_too():
         step(seed)
     (checker,) = getattr(model, LEDGER_ATTR)._checkers.values()
     assert len(checker.measurements) >= 2, checker.measurements
-    # The report names the measurement that led to the replan, above the budget (it named the
-    # first step's, within it: the seventh trial).
+    measured = [m.peak_bytes for m in checker.measurements]
+    budget = offload_compiler.last_report().budget_bytes
     c = offload_compiler.last_report().correction
-    assert c is not None and c.first_measured_peak_bytes in [m.peak_bytes for m in checker.measurements]
-    assert c.first_measured_peak_bytes > offload_compiler.last_report().budget_bytes, c
+    if max(measured) > budget:
+        # The report names the measurement that led to the replan, above the budget (it named the
+        # first step's, within it: the seventh trial).
+        assert c is not None and c.first_measured_peak_bytes in measured, (c, measured)
+        assert c.first_measured_peak_bytes > budget, c
+    else:
+        # Inductor's kernels differ by CPU: on an AMD EPYC (AVX2) the second step measured 391,376
+        # bytes, within the 391,904-byte budget, so no replan was due, and none may happen.
+        assert c is None, (c, measured, budget)
     report = offload_compiler.step_report(model)
     m = measure_peak_device_bytes(lambda: step(9), resident=list(model.parameters()) + [ids], device="cpu")
     assert m.peak_bytes <= report.budget_bytes + 4096, (m.peak_bytes, report.summary())
