@@ -377,6 +377,15 @@ def test_greedy_fallback_without_the_solver(mlp, monkeypatch):
     assert missing.plan.feasible
 
 
+def test_the_planners_cpu_seconds_are_reported(mlp):
+    """``plan_cpu_seconds`` is the compiling thread's CPU time over the joint planner: more than
+    nothing, at most its wall time (one thread), and in the report's summary."""
+    live, costs = analyze(mlp, SLOW_LINK)
+    rp = plan_recompute.plan_joint(mlp, live, costs, int(0.75 * live.peak_bytes), "auto", 0, use_solver=False).recompute
+    assert 0.0 < rp.plan_cpu_seconds <= rp.plan_seconds + 0.02, (rp.plan_cpu_seconds, rp.plan_seconds)
+    assert plan_recompute.summary(rp)["plan_cpu_seconds"] == rp.plan_cpu_seconds
+
+
 @pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
 def test_solver_used_and_bounded_by_its_time_limit(mlp):
     live, costs = analyze(mlp, SLOW_LINK)

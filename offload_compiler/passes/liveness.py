@@ -795,18 +795,16 @@ def _schedule(fw_nodes: list[fx.Node], bw_nodes: list[fx.Node]) -> _Schedule:
 class _Keys:
     """Storage keys per node (one per plain tensor of its value) and their union-find: the root
     of a key is its buffer. ``node_roots``: each node's keys' roots, computed once the union-find
-    is complete (every union is made in :func:`_storage_keys`)."""
+    is complete (every union is made in :func:`_storage_keys`, which builds this)."""
 
     uf: _UnionFind
     node_keys: dict[fx.Node, list]
     key_tensor: dict
-    node_roots: dict[fx.Node, list] = field(default_factory=dict)
+    node_roots: dict[fx.Node, list]
 
     def roots(self, node: fx.Node) -> list:
-        got = self.node_roots.get(node)
-        if got is not None:
-            return got
-        return [self.uf.find(k) for k in self.node_keys.get(node, ())]
+        """The buffers (union-find roots) of ``node``'s plain tensors; ``[]`` for a node with none."""
+        return self.node_roots.get(node, [])
 
 
 def _storage_keys(fw_nodes: list[fx.Node], bw_nodes: list[fx.Node], links: list) -> _Keys:
