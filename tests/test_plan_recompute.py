@@ -775,3 +775,46 @@ def test_a_recomputed_fused_chain_costs_what_the_planner_counted():
     assert len(rp.recomputes) > 0 and rp.recompute_seconds > 0
     before, after = sum(analysis.costs.step_seconds), sum(pp.joint.costs.step_seconds)
     assert after == pytest.approx(before + rp.recompute_seconds, rel=1e-6)
+
+
+# ------------------------------------------------------------------ the programs' buffers
+def test_the_programs_leave_out_the_smallest_buffers_within_their_share(monkeypatch):
+    """``_program_buffers`` keeps the smallest buffers out of the programs while their bytes
+    total at most PROGRAM_SMALL_SHARE of the bytes to free (peak, earlier runs' kept saved
+    activations included, minus the budget), and nothing when the budget needs no freeing."""
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+
+    monkeypatch.setattr(plan_recompute, "PROGRAM_SMALL_SHARE", 0.01)
+    live = NS(live_bytes=lambda: np.array([0, 10_000, 4_000]), boundary_saved={3: 2_000})
+    offs = [NS(buffer=b, size=s) for b, s in ((0, 30), (1, 10), (2, 1_000), (3, 2_000))]
+    chains = [NS(buffer=b, size_bytes=s) for b, s in ((1, 10), (4, 20))]
+    # 5,000 bytes to free: 50 may be left out, the 10 and 20 (then 30 would make 60).
+    got_offs, got_chains, n, nbytes = plan_recompute._program_buffers(live, offs, chains, 5_000)
+    assert (n, nbytes) == (2, 30)
+    assert [o.buffer for o in got_offs] == [0, 2, 3] and [c.buffer for c in got_chains] == []
+    # Two earlier runs hold buffer 3's 2,000 bytes each: 9,000 to free, 90 may be left out.
+    got_offs, _c, n, nbytes = plan_recompute._program_buffers(live, offs, chains, 5_000, earlier_runs=2)
+    assert (n, nbytes) == (3, 60) and [o.buffer for o in got_offs] == [2, 3]
+    assert plan_recompute._program_buffers(live, offs, chains, 10_000) == (offs, chains, 0, 0)
+    assert plan_recompute._program_buffers(live, offs, chains, 9_999)[2:] == (0, 0)  # 1 byte: 0.01 may go
+
+
+@pytest.mark.skipif(not plan_recompute.have_solver(), reason="highspy is not installed")
+def test_a_program_infeasible_without_the_small_buffers_is_solved_with_them(mlp, monkeypatch):
+    """With a share so large that an 8 KiB buffer the budget needs is left out, both programs
+    are infeasible without it and are solved again with every buffer: the plan is the one the
+    full programs give."""
+    live, costs = analyze(mlp, SLOW_LINK)
+    budget = int(0.75 * live.peak_bytes)
+    full = plan_recompute.plan_joint(mlp, live, costs, budget, "auto", 0)
+    assert "kept out of the programs" not in full.recompute.solver_status
+    monkeypatch.setattr(plan_recompute, "PROGRAM_SMALL_SHARE", 0.6)
+    joint = plan_recompute.plan_joint(mlp, live, costs, budget, "auto", 0)
+    status = joint.recompute.solver_status
+    assert status.startswith("1 smallest buffers (8192 bytes) kept out of the programs"), status
+    assert "recompute only: Infeasible; recompute only, every buffer: Optimal" in status, status
+    assert "solver: Infeasible; solver, every buffer: Optimal" in status, status
+    assert joint.plan.feasible and joint.recompute.chosen == full.recompute.chosen
+    assert decisions(joint) == decisions(full)
