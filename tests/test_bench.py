@@ -361,3 +361,27 @@ def test_selective_recompute_points_compile_with_their_budget():
         everything_recomputed = saved_bytes(sac.fn)
     assert 0 < everything_recomputed < plain / 2, (everything_recomputed, plain)
     torch._dynamo.reset()
+
+
+def test_program_share_plans_the_same_trace_both_ways_and_restores_the_share():
+    """bench.program_share plans one traced step with every buffer in the programs and with the
+    default share: both feasible at 75% on a 2-layer GPT, the ratio is theirs, and the module's
+    share is back to its default afterwards."""
+    from bench import program_share
+    from offload_compiler.models import GPT, GPTConfig
+    from offload_compiler.passes import plan_recompute
+
+    default = plan_recompute.PROGRAM_SMALL_SHARE
+    model = {
+        "name": "tiny",
+        "build": lambda: GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32)),
+        "vocab": 64,
+        "batch": 8,
+        "seq": 64,
+    }
+    (row,) = program_share.compare(model, devices=("h100-sxm",), budgets=("75%",))
+    assert plan_recompute.PROGRAM_SMALL_SHARE == default
+    a, b = row["every_buffer_step_seconds"], row["default_share_step_seconds"]
+    assert a is not None and b is not None and a > 0 and b > 0, row
+    assert row["ratio"] == pytest.approx(b / a, rel=1e-12)
+    assert (row["model"], row["device"], row["budget"]) == ("tiny", "h100-sxm", "75%")
