@@ -488,6 +488,8 @@ def plan_model(
     if offload not in ("activations",) + param_residency.MODES:
         raise ValueError(f"unknown offload {offload!r}; one of activations, {', '.join(param_residency.MODES)}")
     inner = inner or default_inner(offload)
+    if strategy == "recompute" and offload != "activations":  # named as the command's flags
+        raise ValueError(f"--strategy recompute is not combined with --offload {offload} yet")
     TrinityOptions.from_user(
         {"inner": inner, "offload": offload, "strategy": strategy, "solver_time_limit": solver_time_limit}, env={}
     )  # fail before tracing
@@ -720,8 +722,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.dtype not in _DTYPES:
             raise ValueError(f"--dtype {args.dtype!r} is not one of {', '.join(_DTYPES)}")
         spec = lookup_device(args.device)
-        if args.device_memory:
-            spec = replace(spec, memory_bytes=parse_size("--device-memory", args.device_memory))
+        if args.device_memory is not None:
+            memory = parse_size("--device-memory", args.device_memory)
+            if memory <= 0:
+                raise ValueError(f"--device-memory {args.device_memory!r}: a device's memory must be more than 0 bytes")
+            spec = replace(spec, memory_bytes=memory)
+        budget_list = [b.strip() for b in args.budgets.split(",")]
+        if any(not b for b in budget_list):
+            raise ValueError(f"--budgets {args.budgets!r}: an empty entry; e.g. '100%,50%,24GiB,device'")
         if args.host_bandwidth:
             try:
                 bandwidth = float(args.host_bandwidth)
@@ -741,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
         result = plan_model(
             args.model,
             spec,
-            [b.strip() for b in args.budgets.split(",") if b.strip()],
+            budget_list,
             args.batch,
             args.seq_len,
             _DTYPES[args.dtype],

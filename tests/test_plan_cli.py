@@ -166,6 +166,9 @@ def test_main_prints_table_and_writes_frontier(tmp_path, capsys):
         (["--device", "tpu-v5"], "unknown device 'tpu-v5'"),
         (["--model", "gpt2-small", "--seq-len", "4096"], "takes sequences up to 1024"),
         (["--device-memory", "lots"], "--device-memory"),
+        (["--device-memory", "0"], "--device-memory '0': a device's memory must be more than 0 bytes"),
+        (["--budgets", "50%,,75%"], "--budgets '50%,,75%': an empty entry"),
+        (["--strategy", "recompute", "--offload", "all"], "--strategy recompute is not combined with --offload all"),
     ],
 )
 def test_bad_arguments_get_clear_errors(args, message, capsys):

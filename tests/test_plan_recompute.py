@@ -818,3 +818,29 @@ def test_a_program_infeasible_without_the_small_buffers_is_solved_with_them(mlp,
     assert "solver: Infeasible; solver, every buffer: Optimal" in status, status
     assert joint.plan.feasible and joint.recompute.chosen == full.recompute.chosen
     assert decisions(joint) == decisions(full)
+
+
+def ln_mlp(w1, w2, x):
+    h = F.layer_norm(x @ w1, (D,))
+    h = F.gelu(h) @ w2
+    return F.layer_norm(h, (D,)).sin().sum()
+
+
+def test_a_node_on_several_chains_counts_once_in_the_records():
+    """LayerNorm's output, mean and rstd are three saved buffers whose chains share the
+    ``native_layer_norm`` node, and two chains share ``gelu``: the rewrite recomputes each once,
+    so the records' FLOPs and seconds sum over the distinct nodes (a fresh-user trial's report
+    counted each block's projection twice)."""
+    torch.manual_seed(0)
+    w1, w2 = ((torch.randn(D, D) * 0.3).requires_grad_(True) for _ in range(2))
+    pair = capture_pair(ln_mlp, w1, w2, torch.randn(N, D), static=(0, 1))
+    live, costs = analyze(pair, SLOW_LINK)
+    chains = recompute_chains.analyze(pair, live, costs).chains
+    distinct = {live.step_at(n) for c in chains for n in c.node_refs}
+    assert sum(len(c.nodes) for c in chains) > len(distinct)  # nodes are shared
+    records = plan_recompute._records(live, costs, chains)
+    assert sum(r.flops for r in records) == sum(costs.step_flops[i] for i in distinct) > 0
+    assert sum(r.seconds for r in records) == pytest.approx(sum(costs.step_seconds[i] for i in distinct), rel=1e-12)
+    assert sum(r.seconds for r in records) < sum(c.seconds for c in chains)
+    # The first record of a shared node carries it; a chain alone keeps its own figures.
+    assert records[0].flops == chains[0].flops and records[0].seconds == chains[0].seconds
