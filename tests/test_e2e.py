@@ -102,7 +102,7 @@ class SideBySide:
         return total
 
     def check_memory(self, batch, step=None, budget_multiple=1, keep_grads=False, context=contextlib.nullcontext):
-        """Evicted something, measured peak within budget, pool flat after the second step.
+        """Evicted or recomputed something, measured peak within budget, pool flat after the second step.
 
         ``step`` is the measured callable (default: one forward and backward on ``batch``);
         ``budget_multiple`` for steps that run the planned graph pair more than once at a time
@@ -112,7 +112,9 @@ class SideBySide:
         assert reports, "trinity compiled no training graph"
         for r in reports:
             assert r.budget_bytes is not None and r.budget_bytes < r.peak_bytes_unplanned
-            assert r.num_evicted > 0, f"nothing evicted though the budget demands it:\n{r.summary()}"
+            # Something planned: evicted, or (strategy "auto") recomputed instead.
+            planned = r.num_evicted + (r.recompute or {}).get("num_recomputed", 0)
+            assert planned > 0, f"nothing evicted or recomputed though the budget demands it:\n{r.summary()}"
             assert r.peak_bytes_planned <= r.budget_bytes
         held_before = self.pool_held()
         if not keep_grads:
