@@ -382,10 +382,31 @@ def _predict_pytorch(traced, device, state_bytes: int) -> dict:
     return {"peak_bytes": live.peak_bytes + state_bytes, "step_seconds": costs.compute_seconds}
 
 
+def plan_traced(model: dict, device_name: str, budgets, traced, strategy: str = "auto", dtype=torch.bfloat16, **kwargs):
+    """``plan_model`` (the ``plan`` command's spine) on ``traced``, a traced step of ``model`` (an
+    entry of :func:`gpu_models`), on ``device_name``'s figures, with AdamW state and no size floor
+    on offloads; ``kwargs`` go to ``plan_model`` (e.g. ``solver_time_limit``)."""
+    from offload_compiler.devices import KNOWN_DEVICES
+    from offload_compiler.plan_cli import plan_model
+
+    return plan_model(
+        model["name"],
+        KNOWN_DEVICES[device_name],
+        list(budgets),
+        batch=model["batch"],
+        seq_len=model["seq"],
+        dtype=dtype,
+        optimizer="adamw",
+        min_offload_bytes=0,
+        strategy=strategy,
+        traced=traced,
+        **kwargs,
+    )
+
+
 def gpu_frontier(model: dict, devices=GPU_DEVICES, dtype=torch.bfloat16) -> dict:
     """Part 2 for one model (see the module docstring)."""
     from offload_compiler.devices import KNOWN_DEVICES
-    from offload_compiler.plan_cli import plan_model
     from offload_compiler.trace import trace_training_step
 
     t0 = time.perf_counter()
@@ -419,18 +440,7 @@ def gpu_frontier(model: dict, devices=GPU_DEVICES, dtype=torch.bfloat16) -> dict
         per_strategy = {}
         for strategy in STRATEGIES:
             t1 = time.perf_counter()
-            res = plan_model(
-                model["name"],
-                device,
-                budgets,
-                batch=model["batch"],
-                seq_len=model["seq"],
-                dtype=dtype,
-                optimizer="adamw",
-                min_offload_bytes=0,
-                strategy=strategy,
-                traced=base,
-            )
+            res = plan_traced(model, dev_name, budgets, base, strategy, dtype)
             rows = []
             for r in res.rows:
                 rows.append(
@@ -468,8 +478,6 @@ def gpu_bound(model: dict, frontier: dict, limit_s: float, device_name: str = "h
     (``solver_time_limit``), and the joint program's proven lower bound there
     (``RecomputePlan.solver_bound_seconds``): the step no choice of the program beats, against
     95% of full recompute's."""
-    from offload_compiler.devices import KNOWN_DEVICES
-    from offload_compiler.plan_cli import plan_model
     from offload_compiler.trace import trace_training_step
 
     d = frontier["devices"][device_name]
@@ -479,19 +487,7 @@ def gpu_bound(model: dict, frontier: dict, limit_s: float, device_name: str = "h
         model["build"], model["batch"], model["seq"], model["vocab"], torch.bfloat16, inner="inductor"
     )
     t0 = time.perf_counter()
-    res = plan_model(
-        model["name"],
-        KNOWN_DEVICES[device_name],
-        [str(ckpt["budget_bytes"])],
-        batch=model["batch"],
-        seq_len=model["seq"],
-        dtype=torch.bfloat16,
-        optimizer="adamw",
-        min_offload_bytes=0,
-        strategy="auto",
-        traced=base,
-        solver_time_limit=limit_s,
-    )
+    res = plan_traced(model, device_name, [str(ckpt["budget_bytes"])], base, solver_time_limit=limit_s)
     row = res.rows[0]
     bound = None if row.solver_bound_seconds is None else res.compute_seconds + row.solver_bound_seconds
     return {

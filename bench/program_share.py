@@ -29,10 +29,10 @@ def compare(model: dict, devices=DEVICES, budgets=BUDGETS) -> list[dict]:
     """One row per device and budget: the predicted step (seconds; ``None`` where infeasible)
     and the chosen candidate with every buffer in the programs (``share 0``) and with the
     default share, and the ratio (default / every buffer)."""
-    from offload_compiler.devices import KNOWN_DEVICES
     from offload_compiler.passes import plan_recompute
-    from offload_compiler.plan_cli import plan_model
     from offload_compiler.trace import trace_training_step
+
+    from .frontier import plan_traced
 
     default = plan_recompute.PROGRAM_SMALL_SHARE
     args = (model["batch"], model["seq"], model["vocab"], torch.bfloat16)
@@ -44,18 +44,7 @@ def compare(model: dict, devices=DEVICES, budgets=BUDGETS) -> list[dict]:
             plan_recompute.PROGRAM_SMALL_SHARE = share
             try:
                 t0 = time.perf_counter()
-                res = plan_model(
-                    model["name"],
-                    KNOWN_DEVICES[dev],
-                    list(budgets),
-                    batch=model["batch"],
-                    seq_len=model["seq"],
-                    dtype=torch.bfloat16,
-                    optimizer="adamw",
-                    min_offload_bytes=0,
-                    strategy="auto",
-                    traced=traced,
-                )
+                res = plan_traced(model, dev, budgets, traced)
                 got[share] = (res.rows, time.perf_counter() - t0)
             finally:
                 plan_recompute.PROGRAM_SMALL_SHARE = default

@@ -625,6 +625,13 @@ class _Model:
         return status, np.asarray(h.getSolution().col_value)
 
 
+def _base_live_bytes(live: Liveness, earlier_runs: int = 0) -> np.ndarray:
+    """Device bytes live at each step with nothing offloaded or recomputed: the pair's own plus,
+    at every step, the boundary-crossing saved activations the ``earlier_runs`` keep (int64)."""
+    held = earlier_runs * sum(live.boundary_saved.values()) if earlier_runs else 0
+    return live.live_bytes() + held
+
+
 def _build_model(
     live,
     costs,
@@ -646,7 +653,7 @@ def _build_model(
     :data:`_MIN_PEAK_TIME_WEIGHT` (of two plans with the same peak, the faster one)."""
     T = live.num_steps
     crossing = live.boundary_saved if earlier_runs else {}
-    base = live.live_bytes() + earlier_runs * sum(crossing.values())
+    base = _base_live_bytes(live, earlier_runs)
     ce = np.concatenate([[0.0], np.cumsum(np.asarray(costs.step_seconds, dtype=np.float64))])
     sb = max(1.0, float(base.max())) / 1e6  # bytes -> model units
     st = max(float(ce[-1]), 1e-12) / 1e4  # seconds -> model units
@@ -845,8 +852,7 @@ def _program_buffers(
     predicted at 8.757 ms against 8.876 ms. The scored candidates' working-window plans may still
     offload the left-out buffers (the "offload free" variants); a program that is infeasible
     without them is solved again with them (:func:`choose`)."""
-    crossing = live.boundary_saved if earlier_runs else {}
-    base = live.live_bytes() + earlier_runs * sum(crossing.values())
+    base = _base_live_bytes(live, earlier_runs)
     need = int(base.max()) - budget if len(base) else 0
     if need <= 0:
         return offs, list(chains), 0, 0
